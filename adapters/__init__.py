@@ -1,0 +1,1 @@
+"""Thin integrations of torchpass with DeepSpeed, Megatron and TorchTitan."""

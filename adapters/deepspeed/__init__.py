@@ -1,0 +1,1 @@
+"""deepspeed adapter (see docs/design.md)."""

@@ -1,0 +1,1 @@
+"""megatron adapter (see docs/design.md)."""

@@ -1,0 +1,1 @@
+"""torchtitan adapter (see docs/design.md)."""

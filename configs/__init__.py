@@ -1,0 +1,1 @@
+"""Hydra config groups shipped with torchpass: presets, chaos scenarios, benchmark scenarios."""

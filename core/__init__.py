@@ -1,0 +1,1 @@
+"""Framework-agnostic core: protocol, topology, transfer, control plane, launcher, ledger."""

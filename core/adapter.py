@@ -1,0 +1,51 @@
+"""The contract between the runtime and a framework integration.
+
+The runtime (:mod:`torchpass.core.runtime`) knows nothing about DeepSpeed,
+Megatron or TorchTitan. Each integration, the plain-PyTorch API included,
+implements :class:`StateProvider`; the runtime calls it at the points of the
+migration protocol listed on each method.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+from .topology import Layout
+
+__all__ = ["StateProvider", "SMALL_CLASS"]
+
+SMALL_CLASS = "small"
+"""The state class of per-rank small state (RNG streams, data position), which the runtime adds itself."""
+
+
+@runtime_checkable
+class StateProvider(Protocol):
+    """What a framework integration tells the runtime about one rank."""
+
+    def layout(self) -> Layout:
+        """The job's parallel layout, read from the framework's own objects (called once, at attach)."""
+        ...
+
+    def state_components(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """This rank's state as ``(component -> state dict, component -> state class)``.
+
+        Tensors must be the live ones (no copies): the runtime serves them to
+        receivers while the rank waits in recovery, and receives into them.
+        """
+        ...
+
+    def load_components(self, components: Mapping[str, Any], *, joining: bool) -> None:
+        """Install received components (only those whose class was fetched).
+
+        ``joining`` is True on a spare, whose process groups are still local: the
+        moment to replay set-up decisions survivors made long ago (DDP buckets).
+        """
+        ...
+
+    def discard_step(self) -> None:
+        """Undo what an interrupted step left behind: partial gradients, framework per-step state.
+
+        Called on every surviving rank before it reports, so the rank's state is
+        exactly the state at its last version.
+        """
+        ...

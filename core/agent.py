@@ -1,0 +1,235 @@
+"""The per-node agent: starts active workers and hot spares, watches them, fences on request.
+
+Like torch elastic's agent it owns the processes of one node, built on its
+``SubprocessHandler`` (process start in a new session, stdout/stderr files,
+kill by process group) and ``TailLog`` (prefixed console tee). Unlike it, a
+worker's death never takes the others down: the agent reports the exit to the
+controller and keeps every other process running.
+
+Each ``tick``:
+
+* reaps exited workers and reports them (exit code or signal, and the message
+  of the error file the worker bootstrap writes on an uncaught exception);
+* fences (SIGKILL) a worker whose heartbeat is older than
+  ``heartbeat_timeout_s`` (a SIGSTOPped or wedged process) and reports it hung;
+* executes the controller's fence orders from the node mailbox;
+* refreshes the node's own heartbeat, by which the controller notices a whole
+  node disappearing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+from torch.distributed.elastic.multiprocessing.tail_log import TailLog
+
+from .config import TorchPassConfig, config_from_mapping
+from .control import Heartbeat, Keys, Mailbox, Report, put_pickle, try_get
+
+__all__ = ["Agent", "NodeSpec"]
+
+_COMM_MARKERS = ("gloo", "Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL")
+
+
+@dataclass
+class NodeSpec:
+    node: int
+    nnodes: int
+    nproc_per_node: int
+    spares_per_node: int
+    store_host: str
+    store_port: int
+    run_id: str
+    run_dir: Path
+    target: list[str]
+    """``["-m", module, *args]`` or ``[script, *args]``."""
+    tee: bool = True
+
+
+@dataclass
+class _Worker:
+    wid: str
+    role: str
+    rank: int | None
+    handler: SubprocessHandler
+    tail: TailLog | None
+    error_file: Path
+    started: float
+    fenced_for: str = ""
+
+
+class Agent:
+    """Owns the worker processes of one node (see the module docstring)."""
+
+    def __init__(self, spec: NodeSpec, store: dist.Store, config: TorchPassConfig, say: Callable[[str], None]):
+        self.spec = spec
+        self.store = store
+        self.config = config
+        self.say = say
+        self.events = Mailbox(store, Keys.events)
+        self.mail = Mailbox(store, Keys.node_mail(spec.node))
+        self.workers: dict[str, _Worker] = {}
+        self.log_dir = spec.run_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._last_beat = 0.0
+        put_pickle(store, f"{Keys.node_mail(spec.node)}/info", {"pid": os.getpid(), "host": os.uname().nodename})
+
+    # ---- process start --------------------------------------------------------------
+    def _env(self, wid: str, role: str, rank: int | None, local_rank: int) -> dict[str, str]:
+        s = self.spec
+        world = s.nnodes * s.nproc_per_node
+        env = {
+            "TORCHPASS_WID": wid,
+            "TORCHPASS_ROLE": role,
+            "TORCHPASS_NODE": str(s.node),
+            "TORCHPASS_WORLD_SIZE": str(world),
+            "TORCHPASS_STORE": f"{s.store_host}:{s.store_port}",
+            "TORCHPASS_RUN_DIR": str(s.run_dir),
+            "TORCHPASS_CONFIG": json.dumps(self.config.to_dict()),
+            # What torchrun gives its workers, so unmodified scripts run.
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_WORLD_SIZE": str(s.nproc_per_node),
+            "GROUP_RANK": str(s.node),
+            "GROUP_WORLD_SIZE": str(s.nnodes),
+            "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(world),
+            "MASTER_ADDR": s.store_host,
+            "MASTER_PORT": str(s.store_port),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": s.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_ERROR_FILE": str(self.log_dir / f"{wid}.error.json"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if rank is not None:
+            env.update({"RANK": str(rank), "ROLE_RANK": str(rank)})
+        if "OMP_NUM_THREADS" not in os.environ and s.nproc_per_node > 1:
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def spawn(self, wid: str, role: str, rank: int | None, local_rank: int) -> None:
+        env = self._env(wid, role, rank, local_rank)
+        out, err = self.log_dir / f"{wid}.out", self.log_dir / f"{wid}.err"
+        error_file = Path(env["TORCHELASTIC_ERROR_FILE"])
+        error_file.unlink(missing_ok=True)
+        handler = SubprocessHandler(
+            entrypoint=sys.executable,
+            args=("-m", "torchpass.core.worker", *self.spec.target),
+            env=env,
+            stdout=str(out),
+            stderr=str(err),
+            local_rank_id=local_rank,
+            numa_options=None,
+        )
+        tail = None
+        if self.spec.tee:
+            prefix = f"[rank{rank}]:" if rank is not None else f"[spare {wid}]:"
+            tail = TailLog(wid, {0: str(out), 1: str(err)}, sys.stdout, {0: prefix, 1: prefix}).start()
+        self.workers[wid] = _Worker(wid, role, rank, handler, tail, error_file, time.time())
+        self.events.post(Report("spawned", wid, self.spec.node, rank, detail={"pid": handler.proc.pid, "role": role}))
+
+    def start(self) -> None:
+        s = self.spec
+        for i in range(s.nproc_per_node):
+            self.spawn(f"n{s.node}-a{i}", "active", s.node * s.nproc_per_node + i, i)
+        for j in range(s.spares_per_node):
+            self.spawn(f"n{s.node}-s{j}", "spare", None, s.nproc_per_node + j)
+
+    # ---- the tick --------------------------------------------------------------------
+    def refresh_config(self) -> None:
+        """Adopt the job's own torchpass config once rank 0 has published it (timeouts may differ)."""
+        raw = self.store.get(Keys.config) if self.store.check([Keys.config]) else None
+        if raw is not None:
+            self.config = config_from_mapping(json.loads(raw), source="the job's torchpass config")
+
+    def tick(self) -> None:
+        now = time.time()
+        if now - self._last_beat >= self.config.heartbeat_interval_s / 2:
+            self.store.set(f"{Keys.node_mail(self.spec.node)}/hb", str(now))
+            self._last_beat = now
+        for order in self.mail.drain(dict):
+            if order.get("fence") in self.workers:
+                self.fence(order["fence"], order.get("why", "fenced by the controller"))
+        for w in list(self.workers.values()):
+            code = w.handler.proc.poll()
+            if code is not None:
+                self._reap(w, code)
+            else:
+                self._check_heartbeat(w, now)
+
+    def _check_heartbeat(self, w: _Worker, now: float) -> None:
+        if w.fenced_for:
+            return
+        hb = try_get(self.store, Keys.heartbeat(w.wid), Heartbeat)
+        if hb is None:
+            if now - w.started > self.config.spare_join_timeout_s:
+                self.fence(w.wid, f"never heartbeated within {self.config.spare_join_timeout_s:.0f} s of starting")
+            return
+        age = now - hb.t
+        if age > self.config.heartbeat_timeout_s and hb.phase != "done":
+            self.fence(w.wid, f"stopped heartbeating {age:.1f} s ago (hung)")
+
+    def fence(self, wid: str, why: str) -> None:
+        """Kill a worker that must never act again (hung, or replaced while unreachable)."""
+        w = self.workers.get(wid)
+        if w is None or w.fenced_for:
+            return
+        w.fenced_for = why
+        try:
+            os.killpg(w.handler.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it died on its own meanwhile; the reaper reports it
+
+    def _reap(self, w: _Worker, code: int) -> None:
+        del self.workers[w.wid]
+        if w.tail is not None:
+            w.tail.stop()
+        error = ""
+        if w.error_file.exists():
+            try:
+                error = json.loads(w.error_file.read_text())["message"]["message"]
+            except (ValueError, KeyError, TypeError) as exc:
+                error = f"(unreadable error file {w.error_file}: {exc})"
+        if w.fenced_for:
+            how = w.fenced_for
+        elif code < 0:
+            how = f"was killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exited with code {code}"
+        detail = {"exitcode": code, "how": how, "pid": w.handler.proc.pid}
+        if error:
+            detail["error"] = error.strip().splitlines()[-1][:500]
+            detail["comm_error"] = any(m in error for m in _COMM_MARKERS)
+        kind = "hung" if w.fenced_for and "hung" in w.fenced_for else "exit"
+        self.events.post(Report(kind, w.wid, self.spec.node, w.rank, detail=detail))
+
+    def alive(self) -> list[str]:
+        return list(self.workers)
+
+    def stop_all(self, sig: signal.Signals = signal.SIGKILL) -> None:
+        for w in list(self.workers.values()):
+            try:
+                os.killpg(w.handler.proc.pid, sig)
+            except ProcessLookupError:
+                pass  # already gone
+        deadline = time.time() + 10
+        for w in list(self.workers.values()):
+            try:
+                w.handler.proc.wait(max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                self.say(f"worker {w.wid} (pid {w.handler.proc.pid}) did not exit after SIGKILL (stuck in the kernel?)")
+            if w.tail is not None:
+                w.tail.stop()
+        self.workers.clear()

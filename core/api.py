@@ -1,0 +1,164 @@
+"""The plain-PyTorch API: a DDP training loop becomes migratable with a few lines.
+
+::
+
+    import torchpass
+
+    model = DistributedDataParallel(net)
+    run = torchpass.Run(model=model, optimizer=opt, scheduler=sched, data=loader)
+    for step in run.steps(num_steps):
+        with step:
+            x, y = step.batch()
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+
+What each line buys:
+
+* ``Run`` names the state a spare must receive (model, optimizer, scheduler and
+  any other ``state_dict``/``load_state_dict`` object passed in ``extra``) and
+  wraps ``data`` so batches can be replayed and fast-forwarded;
+* ``run.steps`` owns the step counter: after a migration it yields the step to
+  re-execute, and on a spare it starts where the job stands;
+* ``with step`` delimits the step: a collective failing inside it starts the
+  survivor side of the migration, and the block is re-executed;
+* ``step.batch()`` hands out the step's batches (call it once per micro-batch).
+
+The optimizer step is the commit point: the persistent state must change only
+inside ``optimizer.step()`` (and the scheduler step right after it, with no
+collective in between). Without ``torchpass launch`` the same loop runs as a
+plain loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import ddp as ddp_support
+from . import runtime
+from .data import ReplayableData
+from .topology import Layout, ddp_layout
+
+__all__ = ["Run", "Step"]
+
+
+class Step:
+    """One training step; use as a context manager around the step's body."""
+
+    def __init__(self, run: "Run", number: int):
+        self.run = run
+        self.number = number
+        self.resume_at: int | None = None
+
+    def batch(self) -> Any:
+        """The next batch of this step (the same ones again if the step is re-executed)."""
+        if self.run.data is None:
+            raise RuntimeError("torchpass.Run was created without data=; pass the DataLoader to replay batches")
+        return self.run.data.next_batch()
+
+    def __enter__(self) -> "Step":
+        rt = runtime.current()
+        if rt is not None:
+            rt.step_begin(self.number)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        rt = runtime.current()
+        if rt is None:
+            return False
+        if exc is None:
+            rt.step_end(self.number)
+            return False
+        if not isinstance(exc, Exception) or not rt.is_comm_failure(exc):
+            return False
+        self.resume_at = rt.recover(f"step {self.number}: {type(exc).__name__}: {str(exc)[:300]}")
+        return True
+
+
+class Run:
+    """The state and data of a plain PyTorch training job (a :class:`~torchpass.core.adapter.StateProvider`)."""
+
+    def __init__(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        scheduler: Any = None,
+        data: Iterable[Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        layout: Layout | None = None,
+    ):
+        self.model = model
+        self.optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else list(optimizer)
+        self.scheduler = scheduler
+        rt = runtime.current()
+        keep = rt.config.buddy_interval_steps + 1 if rt is not None else 1
+        self.data = ReplayableData(data, keep_steps=keep) if data is not None else None
+        self.extra = dict(extra or {})
+        self._layout = layout
+        self._ddps = ddp_support.find_ddp(model)
+        if rt is not None:
+            for d in self._ddps:
+                ddp_support.check_supported(d)
+
+    # ---- the loop ---------------------------------------------------------
+    def steps(self, num_steps: int, start: int = 1) -> Iterator[Step]:
+        """Yield steps ``start..num_steps``; after a migration, the step to execute next."""
+        rt = runtime.current()
+        number = rt.attach(self, self.data, start, self.optimizers) if rt is not None else start
+        while number <= num_steps:
+            if rt is not None and rt.ending.is_set():
+                number = rt.recover(f"generation ended before step {number}: {rt.ending_reason}")
+                continue
+            step = Step(self, number)
+            yield step
+            number = step.resume_at if step.resume_at is not None else number + 1
+        if rt is not None:
+            rt.finish()
+
+    # ---- StateProvider ------------------------------------------------------
+    def layout(self) -> Layout:
+        return self._layout if self._layout is not None else ddp_layout(dist.get_world_size())
+
+    def state_components(self) -> tuple[dict[str, Any], dict[str, str]]:
+        components: dict[str, Any] = {
+            "model": self.model.state_dict(),
+            "optimizer": [opt.state_dict() for opt in self.optimizers],
+            "ddp": [ddp_support.bucket_layout(d) for d in self._ddps],
+        }
+        classes = {"model": "params", "optimizer": "optimizer", "ddp": "global"}
+        if self.scheduler is not None:
+            components["scheduler"] = self.scheduler.state_dict()
+            classes["scheduler"] = "global"
+        for name, obj in self.extra.items():
+            components[f"extra/{name}"] = obj.state_dict()
+            classes[f"extra/{name}"] = "global"
+        return components, classes
+
+    def load_components(self, components: Mapping[str, Any], *, joining: bool) -> None:
+        if "model" in components:
+            self.model.load_state_dict(components["model"])
+        if "optimizer" in components:
+            for opt, state in zip(self.optimizers, components["optimizer"]):
+                opt.load_state_dict(state)
+        if "scheduler" in components and self.scheduler is not None:
+            self.scheduler.load_state_dict(components["scheduler"])
+        for name, obj in self.extra.items():
+            if f"extra/{name}" in components:
+                obj.load_state_dict(components[f"extra/{name}"])
+        if joining and "ddp" in components:
+            for d, layout in zip(self._ddps, components["ddp"]):
+                ddp_support.adopt_layout(d, layout)
+                ddp_support.reset_after_abort(d)
+
+    def discard_step(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+        for d in self._ddps:
+            ddp_support.reset_after_abort(d)

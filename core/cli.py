@@ -1,0 +1,61 @@
+"""The ``torchpass`` command: ``launch``, ``status``, ``report``, ``inject`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="torchpass", description="Live migration of PyTorch training ranks to hot spares.")
+    sub = p.add_subparsers(dest="command", required=True)
+    from .launcher import add_launch_arguments
+
+    add_launch_arguments(sub.add_parser("launch", help="start a job like torchrun, plus hot spares"))
+    st = sub.add_parser("status", help="show the workers of a job")
+    st.add_argument("--run-dir", required=True)
+    rp = sub.add_parser("report", help="success rate and time lost, from a job's ledger")
+    rp.add_argument("--run-dir", required=True)
+    rp.add_argument("--json", action="store_true", help="machine-readable output")
+    inj = sub.add_parser("inject", help="inject a real fault into a running job")
+    inj.add_argument("--run-dir", required=True)
+    who = inj.add_mutually_exclusive_group(required=True)
+    who.add_argument("--rank", type=int, help="the active worker holding this rank")
+    who.add_argument("--worker", help="a worker id from `torchpass status` (e.g. a spare)")
+    inj.add_argument("--fault", required=True, choices=("kill", "hang", "term", "node"))
+    demo = sub.add_parser("demo", help="a live migration end to end, checked bitwise against a fault-free run")
+    demo.add_argument("--run-dir", default="torchpass_demo")
+    demo.add_argument("--fault", default="kill", choices=("kill", "hang", "term"))
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    if args.command == "launch":
+        from .launcher import launch
+
+        sys.exit(launch(args))
+    if args.command == "status":
+        from .status import format_status
+
+        print(format_status(args.run_dir))
+    elif args.command == "report":
+        from .report import build_report, format_report, report_json
+
+        rep = build_report(args.run_dir)
+        print(report_json(rep) if args.json else format_report(rep))
+    elif args.command == "inject":
+        from .inject import inject
+
+        pids = inject(args.run_dir, args.fault, rank=args.rank, wid=args.worker)
+        print(f"sent {args.fault} to pid(s) {', '.join(map(str, pids))}")
+    elif args.command == "demo":
+        from .demo import run_demo
+
+        sys.exit(run_demo(args.run_dir, args.fault))
+
+
+if __name__ == "__main__":
+    main()

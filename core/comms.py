@@ -1,0 +1,517 @@
+"""Rebuildable process groups: stable group objects over a replaceable transport.
+
+Frameworks cache process-group objects everywhere (DDP's C++ reducer,
+DeepSpeed's ``groups`` globals and ZeRO optimizers, megatron-core's
+``parallel_state`` and layers, FSDP2's mesh info, DeviceMesh) and functional
+collectives resolve groups by name through c10d's registry. Rebinding all of
+those after a failure is fragile, so torchpass never replaces a group object:
+every group of a migratable job is a :class:`RebuildableProcessGroup`, a Python
+subclass of ``torch.distributed.ProcessGroup`` whose identity, name, rank and
+size stay fixed for the life of the process, and which forwards each
+collective to an *inner* gloo group that is rebuilt per generation.
+
+Protocol (driven by :mod:`torchpass.core.runtime`):
+
+1. ``install()`` registers the ``torchpass`` c10d backend and maps requests for
+   ``gloo`` onto it, so ``init_process_group("gloo")``, ``new_group`` and
+   ``DeviceMesh`` all create rebuildable groups without code changes.
+2. A group is *live* (forwarding to its generation's inner gloo group) or
+   *local*. A hot spare runs the training script's set-up in local mode: its
+   collectives complete at once as if every peer held the same data as the
+   spare, because whatever they compute is overwritten by the state transfer.
+3. ``release()`` (any thread) shuts down the connected sockets of the current
+   inner group. gloo has no abort that wakes a pending operation (measured:
+   ``ProcessGroupGloo.abort()`` and ``shutdown()`` return at once while the
+   pending collective stays blocked until the peer's socket closes), so this is
+   how survivors blocked on a hung or migrating peer are released within
+   milliseconds instead of the process-group timeout.
+4. ``rebuild_all(store, generation)`` builds, in group-creation order, a fresh
+   inner gloo group for every rebuildable group on the store prefix of the new
+   generation. Creation order is the same on every rank (``new_group`` is a
+   collective call), so the rebuild cannot deadlock.
+
+Invariants: rank numbering and group membership never change; a group object
+is never replaced; an inner group that was released is never used again.
+C++ code that bypasses the Python object and calls the registered c10d backend
+directly sees the first live generation's gloo group, which fails loudly once
+released rather than computing on a stale membership.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceCoalescedOptions,
+    AllreduceOptions,
+    AllToAllOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    FakeProcessGroup,
+    GatherOptions,
+    ProcessGroupGloo,
+    ReduceOp,
+    ReduceOptions,
+    ReduceScatterOptions,
+    ScatterOptions,
+    _create_work_from_future,
+)
+
+__all__ = [
+    "BACKEND_NAME",
+    "RebuildableProcessGroup",
+    "groups",
+    "install",
+    "rebuild_all",
+    "release_generation",
+    "set_local_mode_default",
+]
+
+BACKEND_NAME = "torchpass"
+
+_registry_lock = threading.Lock()
+_registry: list[weakref.ReferenceType["RebuildableProcessGroup"]] = []
+# Serializes socket creation we own against a rebuild's before/after socket snapshot.
+socket_creation_lock = threading.Lock()
+_local_by_default = False
+_installed = False
+
+
+def set_local_mode_default(local: bool) -> None:
+    """Make groups created from now on start in local mode (a spare running its set-up)."""
+    global _local_by_default
+    _local_by_default = local
+
+
+def groups() -> list["RebuildableProcessGroup"]:
+    """Live rebuildable groups of this process, in creation order."""
+    with _registry_lock:
+        alive = [g for g in (ref() for ref in _registry) if g is not None]
+    return sorted(alive, key=lambda g: g.creation_index)
+
+
+def _connected_sockets() -> dict[int, tuple[str, tuple[Any, ...], tuple[Any, ...]]]:
+    """Connected sockets of this process: fd -> (inode link, local address, peer address)."""
+    out: dict[int, tuple[str, tuple[Any, ...], tuple[Any, ...]]] = {}
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if not link.startswith("socket:"):
+            continue
+        try:
+            probe = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            out[fd] = (link, probe.getsockname(), probe.getpeername())
+        except OSError:
+            pass  # a listening or unconnected socket: gloo crashes if its listener is shut down
+        finally:
+            probe.close()
+    return out
+
+
+class _Transport:
+    """One generation's inner gloo group and the sockets it owns."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, connect_timeout: timedelta, op_timeout: timedelta):
+        with socket_creation_lock:
+            before = _connected_sockets()
+            self.backend = ProcessGroupGloo(store, rank, size, connect_timeout)
+            after = _connected_sockets()
+        self.backend._set_default_timeout(op_timeout)
+        self.sockets = {fd: info[0] for fd, info in after.items() if before.get(fd, (None,))[0] != info[0]}
+        self.group = dist.ProcessGroup(store, rank, size)
+        self.group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.backend)
+        self.group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self.released = False
+
+    def release(self) -> int:
+        """Shut down this transport's sockets; returns how many were shut down."""
+        self.released = True
+        count = 0
+        for fd, link in self.sockets.items():
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != link:
+                    continue  # closed and the fd reused: not ours any more
+                probe = socket.socket(fileno=os.dup(fd))
+            except OSError:
+                continue
+            try:
+                probe.shutdown(socket.SHUT_RDWR)
+                count += 1
+            except OSError:
+                pass  # already shut down by the peer
+            finally:
+                probe.close()
+        return count
+
+
+def _completed(result: Any) -> dist.Work:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(result)
+    return _create_work_from_future(fut)
+
+
+def _reduce_local(tensors: list[torch.Tensor], op: Any, size: int) -> list[torch.Tensor]:
+    """Reduce as if ``size`` peers held these tensors: only SUM changes the values."""
+    if op == ReduceOp.SUM:
+        for t in tensors:
+            if t.dtype != torch.bool:
+                t.mul_(size)
+    return tensors
+
+
+def _fill_lists(outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    for outs, inp in zip(outputs, inputs):
+        for out in outs:
+            out.copy_(inp)
+    return outputs
+
+
+def _gather_into(output: torch.Tensor, input: torch.Tensor, size: int) -> list[torch.Tensor]:
+    output.copy_(input.reshape(1, -1).expand(size, -1).reshape(output.shape))
+    return [output]
+
+
+def _exchange_local(output: torch.Tensor, input: torch.Tensor) -> list[torch.Tensor]:
+    # With uneven splits the local fiction has no sensible answer; the values are
+    # overwritten by the state transfer anyway, so zeros keep it deterministic.
+    if output.shape == input.shape:
+        output.copy_(input)
+    else:
+        output.zero_()
+    return [output]
+
+
+class RebuildableProcessGroup(dist.ProcessGroup):
+    """A c10d group whose transport can be released and rebuilt without replacing the object."""
+
+    def __init__(self, rank: int, size: int, name: str, global_ranks: Sequence[int], op_timeout: timedelta):
+        super().__init__(rank, size)
+        self._rank = rank
+        self._size = size
+        self._name = name
+        self.global_ranks = list(global_ranks)
+        self._op_timeout = op_timeout
+        self._transport: _Transport | None = None
+        self._graveyard: list[_Transport] = []
+        self.generation = -1
+        self._scripted_broadcasts: list[torch.Tensor] = []
+        with _registry_lock:
+            self.creation_index = len(_registry)
+            _registry.append(weakref.ref(self))
+
+    # ---- identity -------------------------------------------------------
+    def getBackendName(self) -> str:
+        # c10d maps this name to the registered backend type it looks up (DDP's
+        # logger does): the fake placeholder of a never-live spare is CUSTOM.
+        return "gloo" if self.generation >= 0 else BACKEND_NAME
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def is_local(self) -> bool:
+        return self._transport is None
+
+    def _get_backend(self, device: Any) -> Any:
+        return self._transport.backend if self._transport is not None else super()._get_backend(device)
+
+    def __repr__(self) -> str:
+        mode = "local" if self.is_local else f"generation {self.generation}"
+        return f"RebuildableProcessGroup(name={self._name!r}, rank={self._rank}/{self._size}, {mode})"
+
+    # ---- lifecycle ------------------------------------------------------
+    def connect(self, store: dist.Store, generation: int, connect_timeout: timedelta) -> None:
+        """Build this generation's transport; the previous one must have been released."""
+        transport = _Transport(store, self._rank, self._size, connect_timeout, self._op_timeout)
+        if self._transport is None and self.generation < 0:
+            # The first live transport becomes the c10d-registered backend (see module docstring).
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, transport.backend)
+            self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        if self._transport is not None:
+            self._graveyard.append(self._transport)
+        self._transport = transport
+        self.generation = generation
+
+    def go_local(self) -> None:
+        """Answer collectives locally (a spare before it joins)."""
+        if self._transport is not None:
+            self._transport.release()
+            self._graveyard.append(self._transport)
+        self._transport = None
+        if self.generation < 0:
+            fake = FakeProcessGroup._create_internal(self._rank, self._size)
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, fake)
+            self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
+
+    def release(self) -> int:
+        """Unblock any pending collective on the current transport; safe from any thread."""
+        transport = self._transport
+        if transport is None or transport.released:
+            return 0
+        return transport.release()
+
+    def script_broadcasts(self, payloads: Sequence[torch.Tensor]) -> None:
+        """In local mode, make the next broadcasts deliver ``payloads`` as if sent by the root.
+
+        Used to hand a joining rank the result of a set-up broadcast the survivors
+        performed long ago (DDP's bucket layout), without involving them.
+        """
+        self._scripted_broadcasts.extend(payloads)
+
+    # ---- dispatch -------------------------------------------------------
+    # Each collective forwards to the live transport, or runs its local-mode
+    # fiction: every peer is assumed to hold exactly what this rank holds.
+    def _run(self, name: str, args: tuple[Any, ...], local: Callable[[], Any]) -> dist.Work:
+        transport = self._transport
+        if transport is not None:
+            return getattr(transport.group, name)(*args)
+        return _completed(local())
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts if isinstance(opts, AllreduceOptions) else _allreduce_opts(opts)
+        return self._run("allreduce", (tensors, opts), lambda: _reduce_local(tensors, opts.reduceOp, self._size))
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or AllreduceCoalescedOptions()
+        return self._run("allreduce_coalesced", (tensors, opts), lambda: _reduce_local(tensors, opts.reduceOp, self._size))
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._run("allgather", (outputs, inputs, opts or AllgatherOptions()), lambda: _fill_lists(outputs, inputs))
+
+    def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._run(
+            "allgather_coalesced",
+            (outputs, inputs, opts or AllgatherOptions()),
+            lambda: [_fill_lists([outs], [inp]) for outs in outputs for inp in inputs],
+        )
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        return self._run("_allgather_base", (output, input, opts or AllgatherOptions()), lambda: _gather_into(output, input, self._size))
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        return self._run("all_gather_single", (output, input, opts or AllgatherOptions()), lambda: _gather_into(output, input, self._size))
+
+    def allgather_into_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._run(
+            "allgather_into_tensor_coalesced",
+            (outputs, inputs, opts or AllgatherOptions()),
+            lambda: [_gather_into(o, i, self._size) for o, i in zip(outputs, inputs)],
+        )
+
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._run(
+            "all_gather_single_coalesced",
+            (outputs, inputs, opts or AllgatherOptions()),
+            lambda: [_gather_into(o, i, self._size) for o, i in zip(outputs, inputs)],
+        )
+
+    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:
+        opts = opts or ReduceScatterOptions()
+
+        def local() -> list[torch.Tensor]:
+            for out, ins in zip(outputs, inputs):
+                out.copy_(ins[self._rank])
+            return _reduce_local(outputs, opts.reduceOp, self._size)
+
+        return self._run("reduce_scatter", (outputs, inputs, opts), local)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        opts = opts or ReduceScatterOptions()
+        return self._run("_reduce_scatter_base", (output, input, opts), lambda: self._scatter_into(output, input, opts.reduceOp))
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
+        opts = opts or ReduceScatterOptions()
+        return self._run("reduce_scatter_single", (output, input, opts), lambda: self._scatter_into(output, input, opts.reduceOp))
+
+    def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or ReduceScatterOptions()
+        return self._run(
+            "reduce_scatter_tensor_coalesced",
+            (outputs, inputs, opts),
+            lambda: [self._scatter_into(o, i, opts.reduceOp) for o, i in zip(outputs, inputs)],
+        )
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or ReduceScatterOptions()
+        return self._run(
+            "reduce_scatter_single_coalesced",
+            (outputs, inputs, opts),
+            lambda: [self._scatter_into(o, i, opts.reduceOp) for o, i in zip(outputs, inputs)],
+        )
+
+    def _scatter_into(self, output: torch.Tensor, input: torch.Tensor, op: Any) -> list[torch.Tensor]:
+        output.copy_(input.reshape(self._size, -1)[self._rank].reshape(output.shape))
+        return _reduce_local([output], op, self._size)
+
+    def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None) -> dist.Work:
+        args = (output, input, out_splits, in_splits, opts or AllToAllOptions())
+        return self._run("alltoall_base", args, lambda: _exchange_local(output, input))
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None) -> dist.Work:
+        args = (output, input, out_splits, in_splits, opts or AllToAllOptions())
+        return self._run("all_to_all_single", args, lambda: _exchange_local(output, input))
+
+    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._run("alltoall", (outputs, inputs, opts or AllToAllOptions()), lambda: [o.copy_(inputs[self._rank]) for o in outputs])
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        def local() -> list[torch.Tensor]:
+            if self._scripted_broadcasts:
+                tensors[0].copy_(self._scripted_broadcasts.pop(0).reshape(tensors[0].shape))
+            return tensors
+
+        return self._run("broadcast", (tensors, opts or BroadcastOptions()), local)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        opts = opts or ReduceOptions()
+        return self._run("reduce", (tensors, opts), lambda: _reduce_local(tensors, opts.reduceOp, self._size))
+
+    def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        return self._run("gather", (outputs, inputs, opts or GatherOptions()), lambda: _fill_lists(outputs, inputs * len(outputs)))
+
+    def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> dist.Work:
+        def local() -> list[torch.Tensor]:
+            if inputs and inputs[0]:
+                outputs[0].copy_(inputs[0][self._rank])
+            return outputs
+
+        return self._run("scatter", (outputs, inputs, opts or ScatterOptions()), local)
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
+        return self._run("send", (tensors, dst_rank, tag), lambda: tensors)
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
+        return self._run("recv", (tensors, src_rank, tag), lambda: tensors)
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> dist.Work:
+        return self._run("recv_anysource", (tensors, tag), lambda: tensors)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._run("barrier", (opts or BarrierOptions(),), lambda: [])
+
+    def monitored_barrier(self, *args: Any) -> None:
+        transport = self._transport
+        if transport is not None:
+            transport.group.monitored_barrier(*args)
+
+    def _start_coalescing(self, device: torch.device) -> None:
+        transport = self._transport
+        if transport is not None:
+            transport.group._start_coalescing(device)
+
+    def _end_coalescing(self, device: torch.device) -> dist.Work:
+        transport = self._transport
+        return transport.group._end_coalescing(device) if transport is not None else _completed([])
+
+
+def _allreduce_opts(op: Any) -> AllreduceOptions:
+    opts = AllreduceOptions()
+    if op is not None:
+        opts.reduceOp = op
+    return opts
+
+
+def _create(dist_opts: Any, backend_options: Any) -> RebuildableProcessGroup:
+    del backend_options  # gloo options are fixed by torchpass; the group timeout is honoured below
+    timeout = dist_opts.timeout if isinstance(dist_opts.timeout, timedelta) else timedelta(seconds=float(dist_opts.timeout))
+    group = RebuildableProcessGroup(
+        dist_opts.group_rank,
+        dist_opts.group_size,
+        dist_opts.group_id,
+        list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size)),
+        timeout,
+    )
+    if _local_by_default:
+        group.go_local()
+    else:
+        group.connect(dist_opts.store, 0, timeout)
+    return group
+
+
+_REWRITES = {"gloo": BACKEND_NAME, "cpu:gloo": BACKEND_NAME, BACKEND_NAME: BACKEND_NAME}
+
+
+def _rewrite_backend(backend: Any) -> Any:
+    if backend is None:
+        return None
+    key = str(backend).lower()
+    if key in ("undefined",):
+        return backend
+    if key in _REWRITES:
+        return _REWRITES[key]
+    raise RuntimeError(
+        f"torchpass: process groups on backend {str(backend)!r} cannot be rebuilt; this release supports "
+        f"'gloo' (CPU). Launch without torchpass, or train on CPU with gloo."
+    )
+
+
+def install() -> None:
+    """Register the ``torchpass`` backend and route gloo group creation to it (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    dist.Backend.default_device_backend_map["cpu"] = BACKEND_NAME
+    original: Callable[..., Any] = c10d._new_process_group_helper
+
+    def _new_process_group_helper(group_size, group_rank, global_ranks_in_group, backend, *args, **kwargs):
+        return original(group_size, group_rank, global_ranks_in_group, _rewrite_backend(backend), *args, **kwargs)
+
+    c10d._new_process_group_helper = _new_process_group_helper
+    _installed = True
+
+
+def release_generation(generation: int) -> int:
+    """Release the transports of ``generation`` and older (monitor thread, on a generation's end).
+
+    A transport of a newer generation is left alone: the main thread may already
+    have rebuilt by the time a slow monitor gets here.
+    """
+    return sum(g.release() for g in groups() if g.generation <= generation)
+
+
+def rebuild_all(base_store: dist.Store, generation: int, connect_timeout: timedelta) -> list[str]:
+    """Give every group a transport for ``generation``; returns the group names in build order."""
+    names = []
+    for group in groups():
+        group.release()
+        prefix = dist.PrefixStore(f"torchpass/pg/{generation}/{group.group_name}/", base_store)
+        group.connect(prefix, generation, connect_timeout)
+        names.append(group.group_name)
+    return names
+
+
+def go_local_all() -> None:
+    for group in groups():
+        group.go_local()
+
+
+def group_signature() -> list[tuple[str, list[int]]]:
+    """(name, global ranks) of every group, in creation order: must match across a rank's incarnations."""
+    return [(g.group_name, g.global_ranks) for g in groups()]
+

@@ -1,0 +1,243 @@
+"""One configuration schema for every front end.
+
+The DeepSpeed JSON block, the Megatron ``--torchpass-*`` flags, the TorchTitan
+``[torchpass]`` TOML section and ``torchpass launch`` all map onto
+:class:`TorchPassConfig`. Validation lives here and only here, so every front
+end rejects bad input with the same message shape::
+
+    torchpass config (DeepSpeed config block "torchpass"): heartbeat_timeout_s:
+    got -1 (int); expected a number > 0
+
+The schema is registered with Hydra's ConfigStore (group ``torchpass``) and the
+YAML presets under ``torchpass/configs/torchpass/`` are validated against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, get_type_hints
+
+__all__ = [
+    "ConfigError",
+    "TelemetryConfig",
+    "TorchPassConfig",
+    "load_preset",
+    "config_from_mapping",
+    "preset_names",
+    "register_with_hydra",
+]
+
+REDUNDANCY_MODES = ("auto", "replica", "buddy")
+
+
+class ConfigError(ValueError):
+    """A configuration value was rejected; the message names the field, the value and what is valid."""
+
+
+def _positive(value: float) -> bool:
+    return value > 0
+
+
+def _non_negative(value: float) -> bool:
+    return value >= 0
+
+
+@dataclass
+class TelemetryConfig:
+    """What the runtime records besides the migration ledger, which is always written."""
+
+    console: bool = True
+    """Print one human-readable line per migration phase on the launcher's console. On by
+    default because a migration is an operator-visible event; turn off for quiet CI logs."""
+
+    step_times: bool = False
+    """Record every step's wall time in the ledger (one line per step). Off by default: it
+    is only needed for overhead studies and would grow the ledger with the run length."""
+
+
+@dataclass
+class TorchPassConfig:
+    """Live-migration settings shared by the launcher, the runtime and every adapter."""
+
+    enabled: bool = True
+    """With False the framework runs exactly as without torchpass: no hooks, no mirrors."""
+
+    spares_per_node: int = field(default=1, metadata={"check": (_non_negative, "an integer >= 0")})
+    """Hot spares ``torchpass launch`` starts on each node when ``--spares-per-node`` is not
+    given. One per node covers any single-process failure on that node; a whole-node loss
+    needs spares on the other nodes, one per lost rank."""
+
+    run_dir: str = "torchpass_run"
+    """Where ``torchpass launch`` writes ``workers.json``, ``events.jsonl`` and worker logs
+    when ``--run-dir`` is not given. Relative to the launcher's working directory."""
+
+    heartbeat_interval_s: float = field(default=1.0, metadata={"check": (_positive, "a number > 0")})
+    """How often each worker's heartbeat thread writes its liveness record. Bounds the
+    staleness of ``torchpass status``; costs one store write per interval per worker."""
+
+    heartbeat_timeout_s: float = field(default=10.0, metadata={"check": (_positive, "a number > 0")})
+    """A worker whose heartbeat is older than this is declared hung (e.g. SIGSTOP, a wedged
+    host) and is fenced and replaced. This, not the process-group timeout, bounds hang
+    recovery. Must exceed ``heartbeat_interval_s``; 10 s tolerates scheduler hiccups."""
+
+    hang_timeout_s: float = field(default=900.0, metadata={"check": (_positive, "a number > 0")})
+    """No rank finishing a step for this long is treated as a stuck collective: the
+    generation is ended and ranks that cannot report are replaced. Must exceed the longest
+    legitimate step (first-step compilation, evaluation inside a step)."""
+
+    report_timeout_s: float = field(default=30.0, metadata={"check": (_positive, "a number > 0")})
+    """After a failure, how long the controller waits for survivors to report their state
+    before treating a silent one as failed too (a second fault during the migration)."""
+
+    rebuild_timeout_s: float = field(default=120.0, metadata={"check": (_positive, "a number > 0")})
+    """Bound on building one generation's communicators. A member that dies mid-rebuild is
+    detected by this timeout, so keep it well under the job's process-group timeout."""
+
+    spare_join_timeout_s: float = field(default=300.0, metadata={"check": (_positive, "a number > 0")})
+    """How long survivors wait for an assigned spare to run the training script up to its
+    first step (model and optimizer construction) before picking another spare."""
+
+    redundancy: str = field(default="auto", metadata={"choices": REDUNDANCY_MODES})
+    """Where a lost rank's state comes from. ``replica``: only from data-parallel replicas
+    (sharded state without a replica makes the event disqualifying). ``buddy``: keep an
+    in-memory copy of every rank's unique state on a rank of another node, refreshed every
+    ``buddy_interval_steps``. ``auto``: replicas where the layout has them, buddy copies for
+    the rest."""
+
+    buddy_interval_steps: int = field(default=1, metadata={"check": (_positive, "an integer >= 1")})
+    """Refresh period of buddy copies, in optimizer steps. A recovery that needs a buddy copy
+    rolls back at most this many steps; larger values trade recompute for copy traffic."""
+
+    transfer_chunk_bytes: int = field(
+        default=4 << 20, metadata={"check": (lambda v: 64 << 10 <= v <= 1 << 30, "an integer in [65536, 1073741824]")}
+    )
+    """Size of one checksummed transfer chunk. 4 MiB keeps the checksum cost hidden behind
+    the socket while a corrupted chunk costs little to resend."""
+
+    transfer_retries: int = field(default=3, metadata={"check": (_non_negative, "an integer >= 0")})
+    """How many times a chunk whose checksum does not match is re-requested before the
+    transfer (and that migration attempt) fails. A spare never resumes on unverified state."""
+
+    verify_replicas: bool = True
+    """Before copying from several data-parallel replicas, check their state fingerprints
+    agree. Catches silent divergence at the cost of hashing the state once per migration."""
+
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """Optional records beyond the ledger."""
+
+    def validate(self, source: str = "torchpass config") -> "TorchPassConfig":
+        """Check cross-field constraints; raise :class:`ConfigError` naming the fields."""
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ConfigError(
+                f"{source}: heartbeat_timeout_s: got {self.heartbeat_timeout_s!r}; expected a number greater than "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s!r}), or every worker would look hung"
+            )
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_scalar(path: str, value: Any, expected: type, meta: Mapping[str, Any], source: str) -> Any:
+    """Coerce and validate one leaf value. Ints are accepted for float fields; nothing else is coerced."""
+    type_name = {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}[expected]
+    accepted = (int, float) if expected is float else (expected,)
+    # bool is an int subclass: `true` must not pass for a count, nor 1 for a switch.
+    if isinstance(value, bool) != (expected is bool) or not isinstance(value, accepted):
+        raise ConfigError(f"{source}: {path}: got {value!r} ({type(value).__name__}); expected {type_name}")
+    if expected is float:
+        value = float(value)
+    if "choices" in meta and value not in meta["choices"]:
+        raise ConfigError(f"{source}: {path}: got {value!r}; expected one of {', '.join(map(repr, meta['choices']))}")
+    if "check" in meta:
+        check, description = meta["check"]
+        if not check(value):
+            raise ConfigError(f"{source}: {path}: got {value!r}; expected {description}")
+    return value
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str, source: str) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'torchpass'}: got {data!r}; expected a mapping of fields")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(
+                f"{source}: unknown key {prefix}{key!s}{hint} Valid keys: {', '.join(sorted(fields))}"
+            )
+        expected = hints[key]
+        if dataclasses.is_dataclass(expected):
+            kwargs[key] = _build(expected, value, f"{prefix}{key}.", source)
+        else:
+            kwargs[key] = _check_scalar(f"{prefix}{key}", value, expected, fields[key].metadata, source)
+    return cls(**kwargs)
+
+
+def config_from_mapping(data: Mapping[str, Any] | None, source: str = "torchpass config") -> TorchPassConfig:
+    """Build a validated config from a plain mapping (a JSON block, a TOML table, parsed flags).
+
+    ``source`` names where the mapping came from so the error points the user at the right file.
+    """
+    config = _build(TorchPassConfig, dict(data or {}), "", source)
+    return config.validate(source)
+
+
+def _presets_dir() -> Path:
+    return Path(__file__).resolve().parent.parent / "configs" / "torchpass"
+
+
+def preset_names() -> list[str]:
+    """Names of the YAML presets shipped under ``torchpass/configs/torchpass``."""
+    return sorted(p.stem for p in _presets_dir().glob("*.yaml"))
+
+
+def load_preset(name: str, overrides: Mapping[str, Any] | None = None) -> TorchPassConfig:
+    """Load a shipped preset by name (or a YAML path) and apply ``overrides`` on top."""
+    from omegaconf import OmegaConf
+
+    path = Path(name) if name.endswith((".yaml", ".yml")) else _presets_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"torchpass preset {name!r} not found; available presets: {', '.join(preset_names())}")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    raw.pop("defaults", None)
+    merged = _deep_merge(raw, dict(overrides or {}))
+    return config_from_mapping(merged, source=f"torchpass preset {path.name}")
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def register_with_hydra() -> None:
+    """Register the schema with Hydra's ConfigStore as ``torchpass/schema``.
+
+    Presets declare ``defaults: [schema, _self_]`` so Hydra type-checks them against
+    the dataclass when they are composed into an application's config.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group="torchpass", name="schema", node=TorchPassConfig)
+
+
+def config_from_env() -> TorchPassConfig:
+    """The config a launcher handed to its workers (``TORCHPASS_CONFIG`` holds JSON)."""
+    import json
+
+    raw = os.environ.get("TORCHPASS_CONFIG")
+    if not raw:
+        return TorchPassConfig()
+    return config_from_mapping(json.loads(raw), source="TORCHPASS_CONFIG (set by torchpass launch)")

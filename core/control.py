@@ -1,0 +1,266 @@
+"""The control plane: key layout on the c10d store and the records exchanged through it.
+
+Everything torchpass coordinates goes through one ``torch.distributed.TCPStore``
+hosted by node 0's launcher; there is no other RPC or consensus layer. Writers
+and readers by key (``tp/`` prefix omitted):
+
+==========================  ===================  =====================================
+key                         written by           read by
+==========================  ===================  =====================================
+``job``                     controller           agents, workers (job shape, config)
+``workers/<wid>``           worker, controller   controller, ``torchpass status``
+``hb/<wid>``                worker heartbeat     agents (liveness), controller (progress)
+``events/seq``, ``/<n>``    agents, workers      controller (a mailbox: add, then set)
+``gen``                     controller           workers, status
+``g/<g>/end``               controller, worker   workers' monitor threads (ends gen g)
+``g/<g>/status/<rank>``     survivors            controller (version, clean, address)
+``g/<g>/plan``              controller           members of generation g
+``g/<g>/ready/<rank>``      members              controller
+``g/<g>/go``                controller           members ("go" or "abort: ...")
+``g/<g>/done/<rank>``       members              controller (timings after resuming)
+``assign/<wid>``            controller           a spare (its rank, or an order to exit)
+``mirror/<rank>``           each rank            planner (RNG/data position per version)
+``node/<n>/mail/...``       controller           agent n (fence a worker)
+``shutdown``                controller           agents, spares
+==========================  ===================  =====================================
+
+Records are dataclasses serialized as JSON. Blocking reads use ``store.wait``
+on a key that is always eventually written (a generation's ``end`` is set when
+the job finishes too), so no thread polls the store in a loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Iterator, TypeVar
+
+import torch.distributed as dist
+
+__all__ = [
+    "Keys",
+    "WorkerRecord",
+    "Heartbeat",
+    "Report",
+    "Status",
+    "Plan",
+    "RankPlan",
+    "Mailbox",
+    "put",
+    "get",
+    "try_get",
+    "connect",
+]
+
+T = TypeVar("T")
+PREFIX = "tp/"
+
+
+class Keys:
+    """Key names, in one place so writers and readers cannot drift apart."""
+
+    job = PREFIX + "job"
+    config = PREFIX + "config"
+    state_bytes = PREFIX + "state_bytes"
+    gen = PREFIX + "gen"
+    shutdown = PREFIX + "shutdown"
+    outcome = PREFIX + "outcome"
+    events = PREFIX + "events"
+
+    @staticmethod
+    def worker(wid: str) -> str:
+        return f"{PREFIX}workers/{wid}"
+
+    @staticmethod
+    def heartbeat(wid: str) -> str:
+        return f"{PREFIX}hb/{wid}"
+
+    @staticmethod
+    def end(g: int) -> str:
+        return f"{PREFIX}g/{g}/end"
+
+    @staticmethod
+    def status(g: int, rank: int) -> str:
+        return f"{PREFIX}g/{g}/status/{rank}"
+
+    @staticmethod
+    def plan(g: int) -> str:
+        return f"{PREFIX}g/{g}/plan"
+
+    @staticmethod
+    def ready(g: int, rank: int) -> str:
+        return f"{PREFIX}g/{g}/ready/{rank}"
+
+    @staticmethod
+    def go(g: int) -> str:
+        return f"{PREFIX}g/{g}/go"
+
+    @staticmethod
+    def done(g: int, rank: int) -> str:
+        return f"{PREFIX}g/{g}/done/{rank}"
+
+    @staticmethod
+    def assign(wid: str) -> str:
+        return f"{PREFIX}assign/{wid}"
+
+    @staticmethod
+    def mirror(rank: int) -> str:
+        return f"{PREFIX}mirror/{rank}"
+
+    @staticmethod
+    def node_mail(node: int) -> str:
+        return f"{PREFIX}node/{node}/mail"
+
+
+def _to_json(record: Any) -> bytes:
+    return json.dumps(dataclasses.asdict(record) if dataclasses.is_dataclass(record) else record).encode()
+
+
+def _from_json(cls: type[T], raw: bytes) -> T:
+    data = json.loads(raw)
+    return cls(**data) if dataclasses.is_dataclass(cls) else data
+
+
+def put(store: dist.Store, key: str, record: Any) -> None:
+    store.set(key, _to_json(record))
+
+
+def get(store: dist.Store, key: str, cls: type[T], timeout: float | None = None) -> T:
+    """Blocking read: waits (server side, no polling) until ``key`` exists."""
+    if timeout is not None:
+        store.wait([key], timedelta(seconds=timeout))
+    return _from_json(cls, store.get(key))
+
+
+def try_get(store: dist.Store, key: str, cls: type[T]) -> T | None:
+    if not store.check([key]):
+        return None
+    return _from_json(cls, store.get(key))
+
+
+def connect(host: str, port: int, timeout: float = 300.0) -> dist.TCPStore:
+    """A client connection to the control-plane store (one per thread: clients are not thread-safe)."""
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+@dataclass
+class WorkerRecord:
+    """One process of the job, as ``workers.json`` and ``torchpass status`` show it."""
+
+    wid: str
+    node: int
+    pid: int
+    role: str
+    """``active``, ``spare``, ``retired`` (handed its rank over), ``lost`` or ``finished``."""
+    rank: int | None = None
+    generation: int = 0
+    transfer_addr: list[Any] | None = None
+
+
+@dataclass
+class Heartbeat:
+    t: float
+    step: int
+    generation: int
+    phase: str
+    """``setup``, ``spare``, ``train``, ``recover`` or ``done``."""
+
+
+@dataclass
+class Report:
+    """A message to the controller through the ``events`` mailbox."""
+
+    kind: str
+    """``exit``, ``hung``, ``comm_error``, ``drain``, ``node_drain``, ``attached``, ``spare_ready``, ``crash``."""
+    wid: str = ""
+    node: int = -1
+    rank: int | None = None
+    generation: int = -1
+    t: float = field(default_factory=time.time)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Status:
+    """A surviving member's state after its generation ended."""
+
+    rank: int
+    wid: str
+    version: int
+    """Optimizer steps this rank's state reflects."""
+    clean: bool
+    """False when the failure interrupted an optimizer step: the state is unusable."""
+    step_started: int
+    """The step the rank was executing (or about to) when the generation ended."""
+    transfer_addr: list[Any]
+    draining: bool = False
+    t: float = field(default_factory=time.time)
+
+
+@dataclass
+class RankPlan:
+    """What one member does to reach the target version."""
+
+    fetch: dict[str, list[int]] = field(default_factory=dict)
+    """State class -> ranks to copy it from, striped over all of them (empty: keep own state)."""
+    small_from: str = "self"
+    """Where the rank's RNG streams and data position come from: ``self``, ``mirror`` (its record in the
+    store) or ``rank:<r>`` (rank r's live small state: a draining rank's own, or an identical replica's)."""
+
+
+@dataclass
+class Plan:
+    """The controller's decision for one generation."""
+
+    generation: int
+    target_version: int
+    members: dict[str, str]
+    """Rank (as a string, JSON keys) -> worker id."""
+    ranks: dict[str, RankPlan | dict[str, Any]]
+    addresses: dict[str, list[Any]]
+    """Rank -> transfer address of every member that serves state."""
+    cause: str
+    replaced: dict[str, str] = field(default_factory=dict)
+    """Rank -> worker id of the process it replaced."""
+    retire: list[str] = field(default_factory=list)
+    """Worker ids that hand their rank over and exit (planned migrations)."""
+    t: float = field(default_factory=time.time)
+
+    def rank_plan(self, rank: int) -> RankPlan:
+        raw = self.ranks[str(rank)]
+        return raw if isinstance(raw, RankPlan) else RankPlan(**raw)
+
+
+class Mailbox:
+    """An append-only message queue on the store: ``add`` a sequence number, then ``set`` the entry."""
+
+    def __init__(self, store: dist.Store, key: str):
+        self._store = store
+        self._key = key
+        self._read = 0
+
+    def post(self, record: Any) -> int:
+        n = self._store.add(f"{self._key}/seq", 1)
+        put(self._store, f"{self._key}/{n}", record)
+        return n
+
+    def drain(self, cls: type[T]) -> Iterator[T]:
+        """New messages since the last call, in order (entries are written right after their number)."""
+        latest = self._store.add(f"{self._key}/seq", 0)
+        while self._read < latest:
+            self._read += 1
+            yield get(self._store, f"{self._key}/{self._read}", cls, timeout=30.0)
+
+
+def put_pickle(store: dist.Store, key: str, obj: Any) -> None:
+    store.set(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def get_pickle(store: dist.Store, key: str) -> Any | None:
+    if not store.check([key]):
+        return None
+    return pickle.loads(store.get(key))

@@ -1,0 +1,561 @@
+"""The controller: detects failures, plans migrations, drives generations, writes the ledger.
+
+It runs inside node 0's launcher, next to the c10d store it hosts, and is
+ticked from the launcher's loop (no thread of its own). Its view of the job
+comes only from the store: reports in the ``events`` mailbox (from agents and
+workers), heartbeats, and the keys of the migration protocol.
+
+Per generation g it is in one of three phases:
+
+``running``
+    Watches for a failure: a member's process exits (not a clean finish), an
+    agent fences a member whose heartbeat stopped, a worker ends generation g
+    because a collective failed, a member or node asks to drain (SIGTERM), an
+    operator asks to migrate a rank, no step finishes within the hang timeout,
+    or a node's agent stops heartbeating. It then sets ``g/<g>/end`` (waking
+    every member's monitor) and moves to ``collecting``.
+
+``collecting``
+    Waits for every member not known lost to report its status. A member whose
+    heartbeat is stale, or who stays silent past ``report_timeout_s``, is
+    fenced (killed by its agent) and counted lost: a second fault during the
+    migration. Then :func:`~torchpass.core.planner.plan_migration` decides;
+    a disqualified plan stops the job with a clear message. Otherwise it
+    assigns spares, publishes ``g+1/plan`` and moves to ``joining``.
+
+``joining``
+    Waits until every member of g+1 is ready (spares have run the script up to
+    their first step and fetched their state); then sets ``g+1/go``. If a member
+    or an assigned spare dies first, it sets ``go`` to ``abort`` and plans g+2
+    from the statuses the survivors report again. After ``go``, the ``done``
+    reports of the members close the ledger event with the timing breakdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from .config import TorchPassConfig, config_from_mapping
+from .control import Heartbeat, Keys, Mailbox, Plan, Report, Status, WorkerRecord, get, get_pickle, put, try_get
+from .ledger import DISQUALIFYING, QUALIFYING, JobEvent, Ledger, MigrationEvent
+from .planner import Disqualified, MirrorInfo, PlanInput, SpareInfo, plan_migration
+from .topology import Layout, layout_from_dict
+
+__all__ = ["Controller", "JobSpec"]
+
+
+@dataclass
+class JobSpec:
+    world_size: int
+    nnodes: int
+    nproc_per_node: int
+    spares_per_node: int
+    run_id: str
+    command: list[str]
+
+
+@dataclass
+class _Migration:
+    generation: int
+    """The generation being planned (the ended one plus one)."""
+    cause: str
+    classification: str
+    t_fault: float
+    t_detect: float
+    failed: set[int] = field(default_factory=set)
+    draining: set[int] = field(default_factory=set)
+    phase: str = "collecting"
+    deadline: float = 0.0
+    plan: Plan | None = None
+    t_plan: float = 0.0
+    t_go: float = 0.0
+    message: str = ""
+    attempts: int = 1
+
+
+class Controller:
+    """See the module docstring; ``tick()`` advances it, ``outcome`` is set when the job is over."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        spec: JobSpec,
+        run_dir: Path,
+        config: TorchPassConfig,
+        say: Callable[[str], None],
+        fence: Callable[[str, int], None],
+        store_address: str,
+    ):
+        self.store = store
+        self.store_address = store_address
+        self.spec = spec
+        self.run_dir = run_dir
+        self.config = config
+        self.say = say
+        self._fence_cb = fence
+        self.ledger = Ledger(run_dir)
+        self.events = Mailbox(store, Keys.events)
+        self.generation = 0
+        self.members: dict[int, str] = {}
+        self.node_of: dict[str, int] = {}
+        self.records: dict[str, WorkerRecord] = {}
+        self.spares: dict[str, int] = {}
+        self.finished: set[int] = set()
+        self.lost_wids: set[str] = set()
+        self.layout: Layout | None = None
+        self.attached: set[int] = set()
+        self.outcome: tuple[int, str] | None = None
+        self.migration: _Migration | None = None
+        self.sticky: dict[int, str] = {}
+        self.nodes_alive: dict[int, float] = {}
+        self._last_progress = (0, time.time())
+        self._pending_reports: list[Report] = []
+        put(store, Keys.gen, 0)
+        put(store, Keys.job, {**asdict(spec), "config": config.to_dict()})
+        self.ledger.append(JobEvent("job_start", f"{spec.world_size} ranks on {spec.nnodes} node(s)", asdict(spec)))
+
+    # ---- bookkeeping -----------------------------------------------------------
+    def _write_workers_json(self) -> None:
+        rows = []
+        for wid, rec in sorted(self.records.items()):
+            rows.append(asdict(rec))
+        nodes = {str(n): get_pickle(self.store, f"{Keys.node_mail(n)}/info") for n in range(self.spec.nnodes)}
+        data = {
+            "generation": self.generation,
+            "world_size": self.spec.world_size,
+            "store": self.store_address,
+            "workers": rows,
+            "nodes": nodes,
+        }
+        tmp = self.run_dir / "workers.json.tmp"
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, self.run_dir / "workers.json")
+
+    def _set_role(self, wid: str, role: str, rank: int | None = None) -> None:
+        rec = self.records.get(wid)
+        if rec is None:
+            return
+        rec.role = role
+        if rank is not None:
+            rec.rank = rank
+        rec.generation = self.generation
+
+    # ---- the tick ----------------------------------------------------------------
+    def tick(self) -> None:
+        if self.outcome is not None:
+            return
+        for report in self.events.drain(Report):
+            self._on_report(report)
+        if self.outcome is not None:
+            return
+        if self.migration is None:
+            self._watch_running()
+        else:
+            self._advance_migration()
+
+    def _on_report(self, report: Report) -> None:
+        kind = report.kind
+        if kind == "spawned":
+            rec = WorkerRecord(report.wid, report.node, int(report.detail["pid"]), report.detail["role"], report.rank, self.generation)
+            self.records[report.wid] = rec
+            self.node_of[report.wid] = report.node
+            if report.rank is not None and report.detail["role"] == "active":
+                self.members[report.rank] = report.wid
+            self._write_workers_json()
+        elif kind == "spare_ready":
+            self.spares[report.wid] = report.node
+        elif kind == "attached":
+            self._on_attached(report)
+        elif kind == "node_alive":
+            self.nodes_alive[report.node] = report.t
+        elif kind in ("exit", "hung"):
+            self._on_exit(report)
+        elif kind in ("drain", "node_drain", "migrate"):
+            self._on_drain(report)
+        else:
+            self.say(f"ignoring unknown report {kind!r} from {report.wid}")
+
+    def _on_attached(self, report: Report) -> None:
+        assert report.rank is not None
+        self.attached.add(report.rank)
+        detail = report.detail
+        if report.rank == 0 and self.layout is None:
+            self.layout = layout_from_dict(detail["layout"])
+            self.config = config_from_mapping(detail["config"], source="the job's torchpass config (rank 0)")
+            self.store.set(Keys.state_bytes, str(int(detail["state_bytes"])))
+            self.store.set(Keys.config, json.dumps(self.config.to_dict()))
+            self.say(f"job layout: {self.layout.describe()}; {detail['state_bytes'] / 1e6:.1f} MB of state per rank")
+
+    def _on_exit(self, report: Report) -> None:
+        wid = report.wid
+        code = report.detail.get("exitcode")
+        if wid in self.spares:
+            del self.spares[wid]
+            self._set_role(wid, "lost")
+            self.ledger.append(JobEvent("spare_lost", f"spare {wid} exited ({code})", report.detail))
+            self.say(f"spare {wid} is gone ({report.detail.get('how', code)}); {len(self.spares)} spare(s) left")
+            self._write_workers_json()
+            return
+        rank = next((r for r, w in self.members.items() if w == wid), None)
+        rec = self.records.get(wid)
+        if rank is None:
+            # A retired rank leaving, a released spare, or a rank already counted lost.
+            if rec is not None and rec.role not in ("retired", "lost"):
+                self._set_role(wid, "lost" if code else "finished")
+            self._write_workers_json()
+            return
+        if code == 0 and report.kind == "exit":
+            self.finished.add(rank)
+            self._set_role(wid, "finished")
+            self._write_workers_json()
+            if len(self.finished) == self.spec.world_size:
+                self._finish(0, "training completed")
+            return
+        self.lost_wids.add(wid)
+        self._set_role(wid, "lost")
+        self._write_workers_json()
+        error = report.detail.get("error")
+        if error and not report.detail.get("comm_error"):
+            self._stop(
+                3,
+                f"rank {rank} ({wid}) raised an exception in the training script, which a spare would repeat: {error}",
+                DISQUALIFYING,
+            )
+            return
+        cause = "hang" if report.kind == "hung" else "kill"
+        how = report.detail.get("how", f"exit code {code}")
+        self._failure({rank}, cause, f"rank {rank} ({wid}) {how}", report.t)
+
+    def _on_drain(self, report: Report) -> None:
+        if report.kind == "node_drain":
+            ranks = {r for r, w in self.members.items() if self.node_of.get(w) == report.node}
+            what = f"node {report.node} is draining ({report.detail.get('signal', 'request')})"
+        else:
+            ranks = {report.rank} if report.rank is not None else set()
+            what = f"rank {report.rank} asked to migrate ({report.detail.get('signal', 'operator')})"
+        if not ranks:
+            return
+        if self.migration is not None:
+            self.migration.draining |= ranks
+            return
+        self.migration_start("planned", QUALIFYING, set(), ranks, what, report.t)
+
+    # ---- running ---------------------------------------------------------------
+    def _watch_running(self) -> None:
+        end = try_get_text(self.store, Keys.end(self.generation))
+        if end is not None:
+            self._failure(set(), "comm", f"generation {self.generation} ended: {end}", time.time())
+            return
+        now = time.time()
+        for node, seen in list(self.nodes_alive.items()):
+            if node != 0 and now - seen > self.config.heartbeat_timeout_s:
+                lost = {r for r, w in self.members.items() if self.node_of.get(w) == node and r not in self.finished}
+                del self.nodes_alive[node]
+                for w, n in list(self.spares.items()):
+                    if n == node:
+                        del self.spares[w]
+                if lost:
+                    self._failure(lost, "node", f"node {node}'s launcher stopped heartbeating; ranks {sorted(lost)} lost", seen)
+                    return
+        if len(self.attached) == self.spec.world_size and not self.finished:
+            self._check_progress(now)
+
+    def _check_progress(self, now: float) -> None:
+        steps = []
+        for wid in self.members.values():
+            hb = try_get(self.store, Keys.heartbeat(wid), Heartbeat)
+            if hb is not None:
+                steps.append(hb.step)
+        top = max(steps, default=0)
+        if top != self._last_progress[0]:
+            self._last_progress = (top, now)
+        elif now - self._last_progress[1] > self.config.hang_timeout_s:
+            self._last_progress = (top, now)
+            self._failure(set(), "progress", f"no step finished for {self.config.hang_timeout_s:.0f} s (stuck collective?)", now)
+
+    def _failure(self, ranks: set[int], cause: str, message: str, t_fault: float) -> None:
+        if self.migration is not None:
+            # A further fault while migrating: fold it into the running attempt.
+            self.migration.failed |= ranks
+            if self.migration.phase == "joining":
+                self._abort_joining(message)
+            return
+        self.migration_start(cause, QUALIFYING, ranks, set(), message, t_fault)
+
+    def migration_start(self, cause: str, classification: str, failed: set[int], draining: set[int], message: str, t_fault: float) -> None:
+        now = time.time()
+        self.store.compare_set(Keys.end(self.generation), "", message[:500])
+        self.migration = _Migration(
+            generation=self.generation + 1,
+            cause=cause,
+            classification=classification,
+            t_fault=t_fault,
+            t_detect=now,
+            failed=set(failed),
+            draining=set(draining),
+            deadline=now + self.config.report_timeout_s,
+            message=message,
+        )
+        self.say(f"generation {self.generation} ended: {message}")
+
+    # ---- collecting --------------------------------------------------------------
+    def _advance_migration(self) -> None:
+        m = self.migration
+        assert m is not None
+        if m.phase == "collecting":
+            self._collect(m)
+        elif m.phase == "joining":
+            self._joining(m)
+        elif m.phase == "resuming":
+            self._resuming(m)
+
+    def _heartbeat_age(self, wid: str) -> float:
+        hb = try_get(self.store, Keys.heartbeat(wid), Heartbeat)
+        return float("inf") if hb is None else time.time() - hb.t
+
+    def _collect(self, m: _Migration) -> None:
+        ended = m.generation - 1
+        statuses: dict[int, Status] = {}
+        silent = []
+        for rank, wid in self.members.items():
+            if rank in m.failed:
+                continue
+            st = try_get(self.store, Keys.status(ended, rank), Status)
+            if st is not None:
+                statuses[rank] = st
+            elif self._heartbeat_age(wid) > self.config.heartbeat_timeout_s:
+                self._lose(rank, wid, "stopped heartbeating during the migration")
+                m.failed.add(rank)
+            else:
+                silent.append(rank)
+        if silent and time.time() < m.deadline:
+            return
+        for rank in silent:
+            self._lose(rank, self.members[rank], f"did not report within {self.config.report_timeout_s:.0f} s")
+            m.failed.add(rank)
+        for rank, st in statuses.items():
+            if st.draining:
+                m.draining.add(rank)
+        self._plan(m, statuses)
+
+    def _lose(self, rank: int, wid: str, why: str) -> None:
+        self.say(f"rank {rank} ({wid}) {why}: fencing it")
+        self.lost_wids.add(wid)
+        self._set_role(wid, "lost")
+        self._fence_cb(wid, self.node_of.get(wid, -1))
+
+    def _mirrors(self, ranks: set[int]) -> dict[int, MirrorInfo]:
+        out = {}
+        for r in ranks:
+            records = get_pickle(self.store, Keys.mirror(r))
+            if records:
+                out[r] = MirrorInfo({v: rec["digest"] for v, rec in records.items()})
+        return out
+
+    def _plan(self, m: _Migration, statuses: dict[int, Status]) -> None:
+        if self.layout is None:
+            self._stop(4, f"a failure before every rank reached its first step ({m.message}); nothing to migrate yet", DISQUALIFYING)
+            return
+        lagging = {r for r, st in statuses.items() if not st.clean}
+        top = max((st.version for st in statuses.values() if st.clean), default=0)
+        lagging |= {r for r, st in statuses.items() if st.version != top}
+        inp = PlanInput(
+            layout=self.layout,
+            generation=m.generation,
+            members=dict(self.members),
+            statuses=statuses,
+            lost=set(m.failed),
+            draining=set(m.draining) - m.failed,
+            spares=[SpareInfo(w, n) for w, n in sorted(self.spares.items())],
+            node_of=self.node_of,
+            mirrors=self._mirrors(set(m.failed) | lagging | set(range(self.spec.world_size))),
+            sticky=self.sticky,
+            cause=m.cause,
+        )
+        result = plan_migration(inp)
+        if isinstance(result, Disqualified) and result.reason == "no_spare" and m.cause == "planned" and not m.failed:
+            # Nobody failed: without a spare the drain cannot be honoured, but training can go on.
+            self.say(f"cannot honour the drain ({result.message}); training continues on the same processes")
+            self.ledger.append(JobEvent("drain_refused", result.message, {"ranks": sorted(m.draining)}))
+            m.classification = DISQUALIFYING
+            m.draining = set()
+            inp.draining = set()
+            result = plan_migration(inp)
+        m.t_plan = time.time()
+        if isinstance(result, Disqualified):
+            self._ledger_migration(m, "failed", DISQUALIFYING, result.message)
+            self._stop(2, f"cannot migrate: {result.message}; restart the job from your last checkpoint", DISQUALIFYING, ledger=False)
+            return
+        m.plan = result
+        for rank_s in result.replaced:
+            new = result.members[rank_s]
+            self.sticky[int(rank_s)] = new
+            self.spares.pop(new, None)
+            if not self.store.check([Keys.assign(new)]):
+                put(self.store, Keys.assign(new), {"rank": int(rank_s), "generation": m.generation})
+        put(self.store, Keys.plan(m.generation), result)
+        put(self.store, Keys.gen, m.generation)
+        m.phase = "joining"
+        m.deadline = time.time() + (self.config.spare_join_timeout_s if result.replaced else self.config.rebuild_timeout_s)
+        moves = ", ".join(f"rank {r} -> {result.members[r]}" for r in sorted(result.replaced, key=int)) or "no process replaced"
+        fetching = sorted(int(r) for r in result.ranks if result.rank_plan(int(r)).fetch)
+        self.say(f"plan for generation {m.generation}: resume at step {result.target_version + 1}; {moves}; ranks {fetching} fetch state")
+
+    # ---- joining -------------------------------------------------------------------
+    def _joining(self, m: _Migration) -> None:
+        assert m.plan is not None
+        missing = []
+        for rank_s, wid in m.plan.members.items():
+            if wid in self.lost_wids:
+                self._abort_joining(f"rank {rank_s}'s process {wid} was lost while joining")
+                return
+            if not self.store.check([Keys.ready(m.generation, int(rank_s))]):
+                missing.append(int(rank_s))
+        if missing:
+            if time.time() > m.deadline:
+                for rank in missing:
+                    self._lose(rank, m.plan.members[str(rank)], "did not become ready in time")
+                self._abort_joining(f"rank(s) {missing} did not become ready in time")
+            return
+        self.store.set(Keys.go(m.generation), "go")
+        m.t_go = time.time()
+        self.generation = m.generation
+        for wid in m.plan.retire:
+            self._set_role(wid, "retired")
+        for rank_s, wid in m.plan.members.items():
+            self.members[int(rank_s)] = wid
+            self._set_role(wid, "active", int(rank_s))
+        self.sticky = {}
+        self._write_workers_json()
+        m.phase = "resuming"
+        m.deadline = time.time() + self.config.report_timeout_s + self.config.hang_timeout_s
+        self.say(f"generation {m.generation} is live")
+
+    def _abort_joining(self, why: str) -> None:
+        m = self.migration
+        assert m is not None and m.plan is not None
+        self.store.set(Keys.go(m.generation), f"abort: {why}")
+        self._ledger_migration(m, "superseded", m.classification, why)
+        self.say(f"migration to generation {m.generation} interrupted: {why}; planning again")
+        # Survivors report again at the aborted generation; spares already assigned
+        # keep their rank (sticky) unless they were lost too.
+        failed = set(m.failed) | {int(r) for r, w in m.plan.members.items() if w in self.lost_wids}
+        self.generation = m.generation
+        put(self.store, Keys.gen, self.generation)
+        self.migration = _Migration(
+            generation=m.generation + 1,
+            cause=m.cause,
+            classification=m.classification,
+            t_fault=m.t_fault,
+            t_detect=m.t_detect,
+            failed=failed,
+            draining=set(m.draining),
+            deadline=time.time() + self.config.report_timeout_s,
+            message=f"{m.message}; then {why}",
+            attempts=m.attempts + 1,
+        )
+        self.store.compare_set(Keys.end(self.generation), "", why[:500])
+
+    # ---- resuming -----------------------------------------------------------------
+    def _resuming(self, m: _Migration) -> None:
+        assert m.plan is not None
+        done = {}
+        for rank_s in m.plan.members:
+            detail = try_get(self.store, Keys.done(m.generation, int(rank_s)), dict)
+            if detail is not None:
+                done[int(rank_s)] = detail
+        if len(done) < len(m.plan.members) and time.time() < m.deadline:
+            return
+        self._ledger_migration(m, "success", m.classification, m.message, done)
+        self.migration = None
+        self._last_progress = (0, time.time())
+
+    def _ledger_migration(
+        self, m: _Migration, outcome: str, classification: str, message: str, done: dict[int, dict[str, Any]] | None = None
+    ) -> None:
+        done = done or {}
+        plan = m.plan
+        timings = {"detect": m.t_detect - m.t_fault}
+        if m.t_plan:
+            timings["report_and_plan"] = m.t_plan - m.t_detect
+        for key in ("spare_setup", "transfer", "rebuild"):
+            values = [d[key] for d in done.values() if key in d]
+            if values:
+                timings[key] = max(values)
+        finished = [d["t_done"] for d in done.values() if "t_done" in d]
+        if finished and m.t_go:
+            timings["resume"] = max(finished) - m.t_go
+            timings["total"] = max(finished) - m.t_fault
+        sources: dict[str, Any] = {}
+        if plan is not None and self.layout is not None:
+            for rank_s in plan.ranks:
+                fetch = plan.rank_plan(int(rank_s)).fetch
+                if fetch:
+                    sources[rank_s] = {
+                        "at": self.layout.locate(int(rank_s)),
+                        "from": {cls: [{"rank": s, "at": self.layout.locate(s)} for s in src] for cls, src in fetch.items()},
+                    }
+        event = MigrationEvent(
+            generation=m.generation,
+            cause=m.cause,
+            classification=classification,
+            outcome=outcome,
+            failed_ranks=sorted(m.failed | m.draining),
+            replaced={r: plan.members[r] for r in plan.replaced} if plan is not None else {},
+            target_step=plan.target_version + 1 if plan is not None else 0,
+            steps_lost=0,
+            sources=sources,
+            bytes_moved=sum(int(d.get("bytes", 0)) for d in done.values()),
+            timings={k: round(v, 4) for k, v in timings.items()},
+            message=message,
+        )
+        self.ledger.append(event)
+        if outcome == "success":
+            t = event.timings
+            self.say(
+                f"migration to generation {m.generation} succeeded: step {event.target_step} re-executed, "
+                f"{event.bytes_moved / 1e6:.1f} MB moved, {t.get('total', 0.0):.2f} s from fault to the resumed step done "
+                f"(detect {t.get('detect', 0):.2f} s, transfer {t.get('transfer', 0):.2f} s, rebuild {t.get('rebuild', 0):.2f} s)"
+            )
+
+    # ---- ending ---------------------------------------------------------------------
+    def _finish(self, code: int, message: str) -> None:
+        self.store.set(Keys.outcome, json.dumps({"code": code, "message": message}))
+        self._shutdown_keys(message)
+        self.ledger.append(JobEvent("job_end", message, {"exit_code": code, "generation": self.generation}))
+        self.outcome = (code, message)
+
+    def _stop(self, code: int, message: str, classification: str, ledger: bool = True) -> None:
+        if ledger:
+            self.ledger.append(JobEvent("job_failed", message, {"classification": classification}))
+        self._finish(code, message)
+
+    def _shutdown_keys(self, reason: str) -> None:
+        self.store.set(Keys.shutdown, reason)
+        for wid in list(self.spares):
+            if not self.store.check([Keys.assign(wid)]):
+                put(self.store, Keys.assign(wid), {"exit": reason})
+        g = self.generation
+        self.store.compare_set(Keys.end(g), "", reason[:500])
+        if self.migration is not None:
+            mg = self.migration.generation
+            if not self.store.check([Keys.plan(mg)]):
+                put(self.store, Keys.plan(mg), {"shutdown": reason})
+            self.store.compare_set(Keys.go(mg), "", f"abort: {reason}")
+
+    def stop_on_request(self, message: str) -> None:
+        """The launcher was told to stop (SIGINT) or lost a node it cannot replace."""
+        self._stop(130, message, DISQUALIFYING)
+
+
+def try_get_text(store: dist.Store, key: str) -> str | None:
+    if not store.check([key]):
+        return None
+    return store.get(key).decode()

@@ -1,0 +1,139 @@
+"""A data iterator the runtime can rewind to a step boundary and fast-forward for a spare.
+
+"Same step, same data" means a re-executed step must see exactly the batches
+the interrupted one saw, and a spare must continue where the rank it replaces
+stood. :class:`ReplayableData` wraps the user's iterable and
+
+* counts batches handed out (``position``) and remembers where each recent
+  step started, keeping the batches read since the oldest kept step start, so
+  :meth:`seek` back to a kept step boundary replays them from memory;
+* owns epochs: when the iterable is exhausted it starts the next epoch,
+  calling ``set_epoch`` on the loader's sampler (or the iterable) first, as
+  ``DistributedSampler`` requires;
+* fast-forwards a fresh iterator to any (epoch, batch-in-epoch) position by
+  drawing and dropping batches, which costs time proportional to the position
+  inside the epoch (a spare pays it once, while its state is being fetched).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Iterable, Iterator
+
+__all__ = ["ReplayableData", "DataPosition"]
+
+DataPosition = dict[str, int]
+
+
+class ReplayableData:
+    """Wraps ``source`` (any re-iterable: a DataLoader, a list, a dataset)."""
+
+    def __init__(self, source: Iterable[Any], keep_steps: int = 1):
+        if isinstance(source, Iterator):
+            raise TypeError(
+                "torchpass needs a re-iterable data source (a DataLoader, a dataset), not a one-shot iterator: "
+                "a new epoch and a spare's fast-forward both start a fresh iteration"
+            )
+        self.source = source
+        self.keep_steps = max(1, keep_steps)
+        self.epoch = 0
+        self.in_epoch = 0
+        """Batches read from the source in the current epoch."""
+        self.read = 0
+        """Batches read from the source in total."""
+        self.position = 0
+        """Batches handed to the training loop, replays excluded."""
+        self._iter: Iterator[Any] | None = None
+        # (epoch, index in epoch, batch) of every batch read since the oldest kept step start.
+        self._cache: deque[tuple[int, int, Any]] = deque()
+        self._replay: deque[tuple[int, int, Any]] = deque()
+        self._marks: deque[tuple[int, int]] = deque()
+
+    # ---- the training loop's side ----------------------------------------
+    def next_batch(self) -> Any:
+        if self._replay:
+            self.position += 1
+            return self._replay.popleft()[2]
+        entry = self._read()
+        self._cache.append(entry)
+        self.position += 1
+        return entry[2]
+
+    def _read(self) -> tuple[int, int, Any]:
+        if self._iter is None:
+            self._start_epoch()
+        assert self._iter is not None
+        try:
+            batch = next(self._iter)
+        except StopIteration:
+            self.epoch += 1
+            self._start_epoch()
+            try:
+                batch = next(self._iter)
+            except StopIteration:
+                raise RuntimeError("the data source yields no batches") from None
+        self.in_epoch += 1
+        self.read += 1
+        return self.epoch, self.in_epoch - 1, batch
+
+    def _start_epoch(self) -> None:
+        sampler = getattr(self.source, "sampler", None)
+        for target in (sampler, getattr(self.source, "batch_sampler", None), self.source):
+            set_epoch = getattr(target, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(self.epoch)
+                break
+        self.in_epoch = 0
+        self._iter = iter(self.source)
+
+    # ---- the runtime's side ----------------------------------------------
+    def mark_step(self, step: int) -> None:
+        """Record that ``step`` starts at the current position; drop batches no kept step needs."""
+        self._marks.append((step, self.position))
+        while len(self._marks) > self.keep_steps:
+            self._marks.popleft()
+        oldest = self._marks[0][1]
+        cached_from = self.read - len(self._cache)
+        while self._cache and cached_from < oldest:
+            self._cache.popleft()
+            cached_from += 1
+
+    def step_start(self, step: int) -> int | None:
+        """Position at which a kept ``step`` started, if it is still kept."""
+        for s, pos in self._marks:
+            if s == step:
+                return pos
+        return None
+
+    def snapshot(self) -> DataPosition:
+        """Where the loop stands, for mirrors and for a spare to fast-forward to."""
+        if self._replay:
+            epoch, index, _ = self._replay[0]
+            return {"position": self.position, "epoch": epoch, "in_epoch": index}
+        return {"position": self.position, "epoch": self.epoch, "in_epoch": self.in_epoch}
+
+    def seek(self, position: int) -> None:
+        """Move to ``position`` (batches handed out), replaying cached batches or reading ahead."""
+        cached_from = self.read - len(self._cache)
+        if position < cached_from:
+            raise RuntimeError(
+                f"cannot rewind the data to batch {position}: only batches from {cached_from} on are kept"
+            )
+        if position > self.read:
+            for _ in range(position - self.read):
+                self._cache.append(self._read())
+        self._replay = deque(list(self._cache)[position - cached_from :])
+        self.position = position
+
+    def fast_forward(self, target: DataPosition) -> None:
+        """Position a fresh iterator at ``target`` (a spare joining mid-training)."""
+        self.epoch = target["epoch"]
+        self._cache.clear()
+        self._replay.clear()
+        self._marks.clear()
+        self._start_epoch()
+        assert self._iter is not None
+        for _ in range(target["in_epoch"]):
+            next(self._iter)
+        self.in_epoch = target["in_epoch"]
+        self.read = self.position = target["position"]

@@ -1,0 +1,270 @@
+"""``torchpass launch``: torchrun's command line, plus hot spares and a run directory.
+
+The launcher of node 0 hosts the control-plane ``TCPStore`` (also the
+workers' ``env://`` rendezvous store, as torchrun's agent store is) and runs
+the controller; every launcher runs its node's agent. Everything the user can
+get wrong is checked before anything is started or written: the config, the
+sizes, the script, the store address.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from .agent import Agent, NodeSpec
+from .config import ConfigError, TorchPassConfig, config_from_mapping, load_preset
+from .control import Keys, Mailbox, Report
+from .controller import Controller, JobSpec
+
+__all__ = ["add_launch_arguments", "launch", "LaunchError"]
+
+
+class LaunchError(Exception):
+    """A launch refused before anything started; the message names the cause."""
+
+
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("torchrun-compatible options")
+    g.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX with MIN == MAX")
+    g.add_argument("--nproc-per-node", "--nproc_per_node", default="1", help="active workers per node: an integer, 'cpu' or 'auto'")
+    g.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank; node 0 hosts the store")
+    g.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="address of node 0")
+    g.add_argument("--master-port", "--master_port", type=int, default=29500, help="port of the store on node 0")
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", help="HOST:PORT of the store (overrides --master-*)")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", default="static", choices=("static", "c10d"))
+    g.add_argument("--rdzv-id", "--rdzv_id", default="", help="a job id (recorded in the run directory)")
+    g.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="KEY=VALUE,...; join_timeout bounds reaching the store (s)")
+    g.add_argument("--standalone", action="store_true", help="single node on a free local port")
+    g.add_argument("--max-restarts", "--max_restarts", type=int, default=0, help="accepted for compatibility; torchpass migrates instead")
+    g.add_argument("--monitor-interval", "--monitor_interval", type=float, default=0.05, help="seconds between agent ticks")
+    g.add_argument("-m", "--module", action="store_true", help="run the training script as a module (python -m)")
+    g.add_argument("--no-python", "--no_python", action="store_true", help="not supported: workers run Python")
+    t = p.add_argument_group("torchpass options")
+    t.add_argument("--spares-per-node", "--spares_per_node", type=int, default=None, help="hot spares per node (default: config, 1)")
+    t.add_argument("--run-dir", "--run_dir", default=None, help="workers.json, events.jsonl and logs (default: config run_dir)")
+    t.add_argument("--config", default=None, help="a torchpass preset name or YAML file")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field (repeatable)")
+    t.add_argument("--quiet", action="store_true", help="do not copy worker output to this console")
+    p.add_argument("training_script", help="the script (or module with -m) to run on every rank")
+    p.add_argument("training_script_args", nargs=argparse.REMAINDER)
+
+
+def _parse_overrides(items: list[str]) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    out: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise LaunchError(f"--set {item!r}: expected KEY=VALUE")
+        key, raw = item.split("=", 1)
+        value = OmegaConf.to_container(OmegaConf.create({"v": raw}), resolve=True)["v"]  # YAML typing: true, 3, 0.5
+        target = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        target[parts[-1]] = value
+    return out
+
+
+def _config(args: argparse.Namespace) -> TorchPassConfig:
+    overrides = _parse_overrides(args.set)
+    if args.config:
+        return load_preset(args.config, overrides)
+    return config_from_mapping(overrides, source="torchpass launch --set")
+
+
+def _int_or(value: str, name: str, auto: int) -> int:
+    if value in ("cpu", "auto", "gpu"):
+        return auto
+    try:
+        n = int(value)
+    except ValueError:
+        raise LaunchError(f"{name}: got {value!r}; expected an integer, 'cpu' or 'auto'") from None
+    if n < 1:
+        raise LaunchError(f"{name}: got {n}; expected an integer >= 1")
+    return n
+
+
+def _nnodes(value: str) -> int:
+    lo, _, hi = value.partition(":")
+    if hi and hi != lo:
+        raise LaunchError(f"--nnodes {value}: torchpass keeps the world size fixed; give one number (MIN == MAX)")
+    return _int_or(lo, "--nnodes", 1)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rdzv_conf(text: str) -> dict[str, str]:
+    out = {}
+    for part in filter(None, text.split(",")):
+        key, _, value = part.partition("=")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _prepare_run_dir(run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    old = [run_dir / n for n in ("events.jsonl", "workers.json", "logs", "summary.json") if (run_dir / n).exists()]
+    if old:
+        archive = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+        archive.mkdir(parents=True)
+        for path in old:
+            shutil.move(str(path), str(archive / path.name))
+
+
+class _Console:
+    def __init__(self, node: int, enabled: bool):
+        self.node = node
+        self.enabled = enabled
+
+    def __call__(self, message: str) -> None:
+        if self.enabled:
+            print(f"[torchpass node{self.node} {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run one node of a job; returns the process exit code."""
+    try:
+        return _launch(args)
+    except (LaunchError, ConfigError) as exc:
+        print(f"torchpass launch: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _launch(args: argparse.Namespace) -> int:
+    config = _config(args)
+    nnodes = _nnodes(args.nnodes)
+    nproc = _int_or(str(args.nproc_per_node), "--nproc-per-node", os.cpu_count() or 1)
+    spares = config.spares_per_node if args.spares_per_node is None else args.spares_per_node
+    if spares < 0:
+        raise LaunchError(f"--spares-per-node: got {spares}; expected an integer >= 0")
+    if not 0 <= args.node_rank < nnodes:
+        raise LaunchError(f"--node-rank: got {args.node_rank}; expected 0..{nnodes - 1} for --nnodes {nnodes}")
+    if args.no_python:
+        raise LaunchError("--no-python is not supported: torchpass runs every worker through its Python bootstrap")
+    if args.max_restarts:
+        print("torchpass launch: --max-restarts ignored: failed ranks migrate to hot spares instead of restarting", flush=True)
+    script_args = list(args.training_script_args)
+    if args.module:
+        if importlib.util.find_spec(args.training_script) is None:
+            raise LaunchError(f"module {args.training_script!r} not found (given with -m)")
+        target = ["-m", args.training_script, *script_args]
+    else:
+        if not Path(args.training_script).is_file():
+            raise LaunchError(f"training script {args.training_script!r} not found")
+        target = [str(Path(args.training_script).resolve()), *script_args]
+    if args.standalone:
+        host, port = "127.0.0.1", _free_port()
+    elif args.rdzv_endpoint:
+        host, _, port_s = args.rdzv_endpoint.rpartition(":")
+        if not host or not port_s.isdigit():
+            raise LaunchError(f"--rdzv-endpoint {args.rdzv_endpoint!r}: expected HOST:PORT")
+        port = int(port_s)
+    else:
+        host, port = args.master_addr, args.master_port
+    join_timeout = float(_rdzv_conf(args.rdzv_conf).get("join_timeout", 600))
+    run_dir = Path(args.run_dir or config.run_dir).resolve()
+    say = _Console(args.node_rank, config.telemetry.console)
+
+    if args.node_rank == 0:
+        try:
+            store: dist.Store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=join_timeout))
+        except (RuntimeError, OSError) as exc:
+            raise LaunchError(f"cannot host the torchpass store on {host}:{port}: {exc} (is the port in use? pass --master-port)") from None
+    else:
+        try:
+            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=join_timeout))
+            store.wait([Keys.job], timedelta(seconds=join_timeout))
+        except (RuntimeError, OSError) as exc:
+            raise LaunchError(f"cannot reach the torchpass store of node 0 at {host}:{port} within {join_timeout:.0f} s: {exc}") from None
+
+    _prepare_run_dir(run_dir)
+    run_id = args.rdzv_id or uuid.uuid4().hex[:8]
+    spec = NodeSpec(args.node_rank, nnodes, nproc, spares, host, port, run_id, run_dir, target, tee=not args.quiet)
+    controller = None
+    if args.node_rank == 0:
+        job = JobSpec(nnodes * nproc, nnodes, nproc, spares, run_id, [sys.executable, *target])
+        mail = {n: Mailbox(store, Keys.node_mail(n)) for n in range(nnodes)}
+        controller = Controller(
+            store, job, run_dir, config, say, lambda wid, node: mail[node].post({"fence": wid}) if node in mail else None, f"{host}:{port}"
+        )
+    agent = Agent(spec, store, config, say)
+    stop = {"signals": 0}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        del frame
+        stop["signals"] += 1
+        stop["last"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    say(f"starting {nproc} worker(s) and {spares} spare(s) on node {args.node_rank} of {nnodes}; run dir {run_dir}")
+    agent.start()
+    events = Mailbox(store, Keys.events)
+    draining = False
+    last_config_check = 0.0
+    while True:
+        agent.tick()
+        if controller is not None:
+            controller.tick()
+            if controller.outcome is not None:
+                break
+        elif store.check([Keys.shutdown]):
+            break
+        if stop["signals"] == 1 and stop.get("last") == signal.SIGTERM and not draining:
+            draining = True
+            say("SIGTERM: draining this node's ranks to spares elsewhere (a second signal stops the job)")
+            events.post(Report("node_drain", node=args.node_rank, detail={"signal": "SIGTERM"}))
+        elif stop["signals"] >= 1 and (stop.get("last") == signal.SIGINT or stop["signals"] > 1):
+            if controller is not None:
+                controller.stop_on_request("stopped by a signal to node 0's launcher")
+                break
+            agent.stop_all()
+            return 143
+        if draining and args.node_rank != 0 and not agent.alive():
+            say("node drained")
+            return 0
+        if time.time() - last_config_check > 2.0:
+            agent.refresh_config()
+            last_config_check = time.time()
+        time.sleep(args.monitor_interval)
+
+    if controller is not None:
+        assert controller.outcome is not None
+        code, message = controller.outcome
+    else:
+        outcome = json.loads(store.get(Keys.outcome)) if store.check([Keys.outcome]) else {"code": 1, "message": "node 0 went away"}
+        code, message = int(outcome["code"]), str(outcome["message"])
+    deadline = time.time() + 30
+    while agent.alive() and time.time() < deadline:
+        agent.tick()
+        time.sleep(0.05)
+    agent.stop_all()
+    if controller is not None:
+        (run_dir / "summary.json").write_text(json.dumps({"exit_code": code, "message": message}, indent=1))
+        # Other launchers read the shutdown key; give them a moment before the store goes away.
+        time.sleep(1.0)
+    if code == 0:
+        say(f"job finished: {message}")
+    else:
+        print(f"torchpass: job failed: {message}", file=sys.stderr, flush=True)
+    return code
+

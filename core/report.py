@@ -1,0 +1,112 @@
+"""``torchpass report``: the headline figures of a run, computed from its ledger.
+
+Success rate = successful qualifying migrations / qualifying migrations (the
+brief's definition). An incident is one fault and everything done about it: a
+migration attempt superseded by a further fault continues in the next attempt,
+so only an incident's final attempt counts. Time lost per incident is the wall
+time from the fault to the re-executed step finishing on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .ledger import DISQUALIFYING, QUALIFYING, read_ledger
+
+__all__ = ["RunReport", "build_report", "format_report"]
+
+
+@dataclass
+class RunReport:
+    run_dir: str
+    job: dict[str, Any] = field(default_factory=dict)
+    ended: str = "running (no job_end event yet)"
+    exit_code: int | None = None
+    qualifying: int = 0
+    qualifying_succeeded: int = 0
+    disqualifying: int = 0
+    superseded_attempts: int = 0
+    time_lost_s: float = 0.0
+    bytes_moved: int = 0
+    incidents: list[dict[str, Any]] = field(default_factory=list)
+    other_events: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def success_rate(self) -> float | None:
+        return self.qualifying_succeeded / self.qualifying if self.qualifying else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "success_rate": self.success_rate}
+
+
+def build_report(run_dir: str | Path) -> RunReport:
+    run_dir = Path(run_dir)
+    if not (run_dir / "events.jsonl").exists():
+        raise FileNotFoundError(f"{run_dir} has no events.jsonl; is it the --run-dir of a torchpass launch?")
+    rep = RunReport(str(run_dir))
+    for ev in read_ledger(run_dir):
+        kind = ev.get("type")
+        if kind == "job_start":
+            rep.job = ev.get("detail", {})
+        elif kind in ("job_end", "job_failed"):
+            rep.ended = ev["message"]
+            if kind == "job_end":
+                rep.exit_code = ev.get("detail", {}).get("exit_code")
+        elif kind == "migration":
+            if ev["outcome"] == "superseded":
+                rep.superseded_attempts += 1
+                continue
+            lost = float(ev.get("timings", {}).get("total", 0.0))
+            rep.incidents.append(
+                {
+                    "generation": ev["generation"],
+                    "cause": ev["cause"],
+                    "class": ev["classification"],
+                    "outcome": ev["outcome"],
+                    "failed_ranks": ev["failed_ranks"],
+                    "replaced": ev["replaced"],
+                    "resumed_at_step": ev["target_step"],
+                    "steps_lost": ev["steps_lost"],
+                    "bytes_moved": ev["bytes_moved"],
+                    "time_lost_s": lost,
+                    "timings": ev.get("timings", {}),
+                    "message": ev.get("message", ""),
+                }
+            )
+            rep.bytes_moved += int(ev["bytes_moved"])
+            rep.time_lost_s += lost
+            if ev["classification"] == QUALIFYING:
+                rep.qualifying += 1
+                rep.qualifying_succeeded += ev["outcome"] == "success"
+            elif ev["classification"] == DISQUALIFYING:
+                rep.disqualifying += 1
+        else:
+            rep.other_events.append(ev)
+    return rep
+
+
+def format_report(rep: RunReport) -> str:
+    lines = [f"run {rep.run_dir}", f"  job: {rep.job.get('world_size', '?')} ranks on {rep.job.get('nnodes', '?')} node(s); {rep.ended}"]
+    rate = rep.success_rate
+    rate_text = "n/a (no qualifying failure)" if rate is None else f"{rate:.0%} ({rep.qualifying_succeeded}/{rep.qualifying})"
+    lines.append(f"  success rate (qualifying migrations): {rate_text}")
+    lines.append(f"  disqualifying events: {rep.disqualifying}; attempts superseded by a further fault: {rep.superseded_attempts}")
+    lines.append(f"  time lost: {rep.time_lost_s:.2f} s in total; state moved: {rep.bytes_moved / 1e6:.1f} MB")
+    if rep.incidents:
+        lines.append("")
+        lines.append(f"  {'gen':>3}  {'cause':<8} {'class':<13} {'outcome':<8} {'ranks':<10} {'step':>5} {'lost s':>7} {'MB':>8}  phases (s)")
+        for inc in rep.incidents:
+            phases = " ".join(f"{k}={v:.2f}" for k, v in inc["timings"].items() if k != "total")
+            lines.append(
+                f"  {inc['generation']:>3}  {inc['cause']:<8} {inc['class']:<13} {inc['outcome']:<8} "
+                f"{','.join(map(str, inc['failed_ranks'])):<10} {inc['resumed_at_step']:>5} {inc['time_lost_s']:>7.2f} "
+                f"{inc['bytes_moved'] / 1e6:>8.1f}  {phases}"
+            )
+    return "\n".join(lines)
+
+
+def report_json(rep: RunReport) -> str:
+    return json.dumps(rep.to_dict(), indent=1, sort_keys=True)

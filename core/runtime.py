@@ -1,0 +1,573 @@
+"""The in-worker side of live migration: step bookkeeping, liveness, recovery and joining.
+
+One :class:`Runtime` lives in every process ``torchpass launch`` starts. It
+implements the worker half of the migration protocol; the controller
+(:mod:`torchpass.core.controller`) implements the other half.
+
+Steady state (per step, nothing on the critical path but a few microseconds):
+
+* ``step_begin(k)`` snapshots the RNG streams locally and records where step k's
+  batches start; a background thread mirrors the rank's small state (RNG, data
+  position) to the store at each step start and each commit;
+* the *commit* of step k is its optimizer step. Until the commit begins the
+  rank's state is version k-1; once it ends, version k; a failure inside it
+  leaves the state *dirty* (unusable, it will be copied from a replica);
+* a heartbeat thread writes ``hb/<wid>`` every ``heartbeat_interval_s``; a
+  monitor thread blocks on ``g/<g>/end`` and, when the controller (or a peer)
+  ends the generation, releases this rank's process groups so a collective
+  blocked on a dead or hung peer returns at once.
+
+Survivor recovery (``recover``), after a collective failed or the generation
+ended: release own groups, end the generation if nobody has, undo the
+interrupted step (partial gradients, RNG back to the step start, data rewound),
+publish the state for others to copy, report ``(version, clean)``, wait for the
+plan of the next generation, fetch state if the plan says so (a rank that
+lagged or was dirty), report ready, wait for ``go``, rebuild all process groups
+on the new generation, barrier, and resume at ``target_version + 1``.
+
+Spare join (``attach`` on a spare): the spare ran the training script with
+local process groups; it fetches every class of state from the sources the
+plan names, restores the small state of the rank it replaces, replays set-up
+decisions (DDP buckets) while still local, reports ready, waits for ``go``,
+goes live on the new generation, barrier, and resumes with the survivors.
+
+Requirements on the training loop: steps are delimited by ``step_begin`` /
+``step_end``; the optimizer step is the only place the persistent state
+changes; code after the optimizer step may be cut short by a migration (its
+side effects happen at most once); batches come from :class:`ReplayableData`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import comms
+from .adapter import SMALL_CLASS, StateProvider
+from .config import TorchPassConfig, config_from_env
+from .control import (
+    Heartbeat,
+    Keys,
+    Mailbox,
+    Plan,
+    Report,
+    Status,
+    WorkerRecord,
+    connect,
+    get,
+    get_pickle,
+    put,
+    put_pickle,
+)
+from .data import ReplayableData
+from .manifest import Captured, capture, rebuild
+from .rng import capture_rng, restore_rng, rng_digest
+from .topology import layout_to_dict
+from .transfer import ReceivePool, StateServer, fetch_state
+
+__all__ = ["Runtime", "current", "CommFailure"]
+
+_COMM_MARKERS = (
+    "gloo",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out waiting",
+    "NCCL",
+)
+
+
+class CommFailure(RuntimeError):
+    """Raised by the runtime itself when a generation ended while the rank was between collectives."""
+
+
+@dataclass
+class _Timings:
+    values: dict[str, float] = field(default_factory=dict)
+    bytes_moved: int = 0
+
+    def add(self, name: str, seconds: float) -> None:
+        self.values[name] = self.values.get(name, 0.0) + seconds
+
+
+_FOREVER = timedelta(days=365)
+
+
+def _now() -> float:
+    return time.time()
+
+
+class _Mirror(threading.Thread):
+    """Writes the latest small-state records to the store off the training thread."""
+
+    def __init__(self, host: str, port: int, rank: int):
+        super().__init__(name="torchpass-mirror", daemon=True)
+        self._store = connect(host, port)
+        self._key = Keys.mirror(rank)
+        self._queue: queue.Queue[dict[int, dict[str, Any]] | None] = queue.Queue()
+        self.start()
+
+    def submit(self, records: dict[int, dict[str, Any]]) -> None:
+        self._queue.put(records)
+
+    def run(self) -> None:
+        while True:
+            item = self._queue.get()
+            while not self._queue.empty():  # only the newest snapshot matters
+                nxt = self._queue.get()
+                if nxt is None:
+                    return
+                item = nxt
+            if item is None:
+                return
+            put_pickle(self._store, self._key, item)
+
+
+class Runtime:
+    """The migration runtime of one worker process (see the module docstring for the protocol)."""
+
+    def __init__(self, config: TorchPassConfig | None = None):
+        env = os.environ
+        self.config = config or config_from_env()
+        self.wid = env["TORCHPASS_WID"]
+        self.node = int(env["TORCHPASS_NODE"])
+        self.role = env["TORCHPASS_ROLE"]
+        self.world_size = int(env["TORCHPASS_WORLD_SIZE"])
+        host, port = env["TORCHPASS_STORE"].rsplit(":", 1)
+        self.store_host, self.store_port = host, int(port)
+        self.store = connect(host, self.store_port)
+        self.events = Mailbox(self.store, Keys.events)
+        self.rank: int | None = int(env["RANK"]) if self.role == "active" else None
+        self.generation = 0
+        self.step = 0
+        self.version = 0
+        self.in_step = False
+        self.committing = False
+        self.clean = True
+        self.phase = "setup"
+        self.provider: StateProvider | None = None
+        self.data: ReplayableData | None = None
+        self.ending = threading.Event()
+        self.ending_reason = ""
+        self.drain_requested = False
+        self._optimizers_total = 0
+        self._optimizers_done = 0
+        self._step_rng: dict[str, Any] | None = None
+        self._mirror_records: dict[int, dict[str, Any]] = {}
+        self._mirror: _Mirror | None = None
+        self._plan: Plan | None = None
+        self._pending_done: dict[str, Any] | None = None
+        self._timings = _Timings()
+        self._pool: ReceivePool | None = None
+        self._gen_cv = threading.Condition()
+        self.server = StateServer(host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host())
+        self._attached = False
+        self._register()
+        threading.Thread(target=self._heartbeat_loop, name="torchpass-heartbeat", daemon=True).start()
+
+    # ---- registration and liveness ------------------------------------
+    def _register(self) -> None:
+        record = WorkerRecord(
+            self.wid, self.node, os.getpid(), self.role, self.rank, self.generation, list(self.server.address)
+        )
+        put(self.store, Keys.worker(self.wid), record)
+
+    def _heartbeat_loop(self) -> None:
+        store = connect(self.store_host, self.store_port)
+        key = Keys.heartbeat(self.wid)
+        while True:
+            put(store, key, Heartbeat(_now(), self.step, self.generation, self.phase))
+            time.sleep(self.config.heartbeat_interval_s)
+
+    def _monitor_loop(self) -> None:
+        store = connect(self.store_host, self.store_port)
+        while True:
+            g = self.generation
+            key = Keys.end(g)
+            store.wait([key], _FOREVER)
+            reason = store.get(key).decode()
+            if self.generation == g:
+                self.ending_reason = reason
+                self.ending.set()
+                comms.release_generation(g)
+            with self._gen_cv:
+                self._gen_cv.wait_for(lambda: self.generation > g)
+
+    def _set_generation(self, g: int) -> None:
+        with self._gen_cv:
+            self.generation = g
+            self.ending.clear()
+            self._gen_cv.notify_all()
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM asks for a planned migration of this rank instead of killing it."""
+
+        def on_term(signum: int, frame: Any) -> None:
+            del signum, frame
+            if self.rank is None or not self._attached:
+                # A spare, or a rank that has not joined yet: nothing to hand over.
+                os._exit(0)
+            if not self.drain_requested:
+                self.drain_requested = True
+                self.events.post(Report("drain", self.wid, self.node, self.rank, self.generation, detail={"signal": "SIGTERM"}))
+
+        signal.signal(signal.SIGTERM, on_term)
+
+    # ---- spares ---------------------------------------------------------
+    def wait_for_assignment(self) -> int:
+        """Block until the controller gives this spare a rank; exit cleanly if the job ends first."""
+        self.phase = "spare"
+        threading.Thread(target=self._prefault_pool, name="torchpass-pool", daemon=True).start()
+        self.events.post(Report("spare_ready", self.wid, self.node))
+        assignment = json.loads(self._wait_key(Keys.assign(self.wid)))
+        if "exit" in assignment:
+            self.phase = "done"
+            print(f"[torchpass] spare {self.wid}: {assignment['exit']}", flush=True)
+            sys.stdout.flush()
+            os._exit(0)
+        self.rank = int(assignment["rank"])
+        self._plan = get(self.store, Keys.plan(int(assignment["generation"])), Plan)
+        self._set_generation(self._plan.generation)
+        self._t_assigned = _now()
+        self.phase = "setup"
+        self._register()
+        return self.rank
+
+    def _prefault_pool(self) -> None:
+        """Fault in receive memory for one rank's state while idle (see ReceivePool)."""
+        store = connect(self.store_host, self.store_port)
+        store.wait([Keys.state_bytes], _FOREVER)
+        expected = int(store.get(Keys.state_bytes))
+        if expected and self._pool is None:
+            self._pool = ReceivePool(int(expected * 1.05))
+
+    # ---- attach ---------------------------------------------------------
+    def attach(self, provider: StateProvider, data: ReplayableData | None, start_step: int, optimizers: list[torch.optim.Optimizer]) -> int:
+        """Called at the first step boundary; returns the first step to execute."""
+        self.provider = provider
+        self.data = data
+        self._optimizers_total = len(optimizers)
+        for opt in optimizers:
+            opt.register_step_pre_hook(self._commit_begin)
+            opt.register_step_post_hook(self._commit_end)
+        assert self.rank is not None
+        self._mirror = _Mirror(self.store_host, self.store_port, self.rank)
+        if self.role == "spare":
+            first = self._join()
+        else:
+            self.version = start_step - 1
+            self.step = start_step
+            components, classes = provider.state_components()
+            captured = capture(components, classes, self.version)
+            layout = provider.layout()
+            if layout.world_size != self.world_size:
+                raise ValueError(
+                    f"torchpass: the framework's layout spans {layout.world_size} ranks but the job has "
+                    f"{self.world_size}; layout: {layout.describe()}"
+                )
+            self.events.post(
+                Report(
+                    "attached",
+                    self.wid,
+                    self.node,
+                    self.rank,
+                    self.generation,
+                    detail={
+                        "layout": layout_to_dict(layout),
+                        "state_bytes": captured.manifest.nbytes,
+                        "groups": comms.group_signature(),
+                        "config": self.config.to_dict(),
+                        "version": self.version,
+                    },
+                )
+            )
+            first = start_step
+        self._attached = True
+        self.phase = "train"
+        threading.Thread(target=self._monitor_loop, name="torchpass-monitor", daemon=True).start()
+        return first
+
+    # ---- per-step hooks -------------------------------------------------
+    def step_begin(self, step: int) -> None:
+        self.step = step
+        self.in_step = True
+        self.clean = True
+        self._optimizers_done = 0
+        self._step_rng = capture_rng()
+        if self.data is not None:
+            self.data.mark_step(step)
+        self._mirror_small("start", self.version, self._step_rng)
+
+    def step_end(self, step: int) -> None:
+        if self.committing:
+            # A step that stepped only some of its optimizers: the state moved all the same.
+            self.committing = False
+        self.version = max(self.version, step)
+        self.in_step = False
+        if self._pending_done is not None:
+            self._report_done()
+
+    def _commit_begin(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        del optimizer, args, kwargs
+        if self.in_step:
+            self.committing = True
+
+    def _commit_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        del optimizer, args, kwargs
+        if not self.in_step:
+            return
+        self._optimizers_done += 1
+        if self._optimizers_done >= self._optimizers_total:
+            self.committing = False
+            self.version = self.step
+            self._mirror_small("commit", self.version, capture_rng())
+
+    def _small_state(self, rng: dict[str, Any]) -> dict[str, Any]:
+        return {"rng": rng, "data": self.data.snapshot() if self.data is not None else None, "digest": rng_digest(rng)}
+
+    def _mirror_small(self, kind: str, version: int, rng: dict[str, Any]) -> None:
+        record = {"kind": kind, **self._small_state(rng)}
+        previous = self._mirror_records.get(version)
+        if previous is not None and previous["kind"] == "start" and kind == "commit":
+            return  # the exact step-start record wins over the commit-time one
+        self._mirror_records[version] = record
+        for v in sorted(self._mirror_records)[:-2]:
+            del self._mirror_records[v]
+        assert self._mirror is not None
+        self._mirror.submit(dict(self._mirror_records))
+
+    # ---- failure classification -----------------------------------------
+    def is_comm_failure(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a collective failing because a peer or the generation went away."""
+        if isinstance(exc, (CommFailure, dist.DistError)) or self.ending.is_set():
+            return True
+        if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS):
+            return True
+        return bool(self.store.check([Keys.end(self.generation)]))
+
+    # ---- survivor recovery ---------------------------------------------
+    def recover(self, cause: str) -> int:
+        """Run the survivor side of a migration; returns the step to execute next."""
+        assert self.provider is not None and self.rank is not None
+        t_fail = _now()
+        self.phase = "recover"
+        comms.release_generation(self.generation)
+        self.store.compare_set(Keys.end(self.generation), "", f"rank {self.rank}: {cause}"[:500])
+        aborted = self.in_step
+        interrupted_step = self.step
+        dirty = self.committing
+        self.committing = False
+        self.in_step = False
+        self.provider.discard_step()
+        if aborted and not dirty and self.version == interrupted_step - 1:
+            # Back to exactly the state at the start of the interrupted step.
+            assert self._step_rng is not None
+            restore_rng(self._step_rng)
+            if self.data is not None:
+                start = self.data.step_start(interrupted_step)
+                assert start is not None
+                self.data.seek(start)
+        self.clean = not dirty
+        self._timings = _Timings()
+        self._timings.add("report", 0.0)
+        while True:
+            status = Status(
+                self.rank,
+                self.wid,
+                self.version,
+                self.clean,
+                interrupted_step,
+                list(self.server.address),
+                draining=self.drain_requested,
+            )
+            self.server.publish(self._capture())
+            put(self.store, Keys.status(self.generation, self.rank), status)
+            plan = self._wait_plan(self.generation + 1)
+            if self.wid in plan.retire:
+                self._retire(plan)
+                self._set_generation(plan.generation)
+                continue
+            t0 = _now()
+            self._apply_plan(plan, joining=False)
+            self._timings.add("transfer", _now() - t0)
+            if self._ready_and_go(plan):
+                break
+            self._set_generation(plan.generation)
+        self._go_live(plan)
+        self.server.publish(None)
+        self._pending_done = {"recovered_s": _now() - t_fail}
+        self.phase = "train"
+        return plan.target_version + 1
+
+    def _wait_key(self, key: str) -> bytes:
+        # The controller always answers (a plan, "go", "abort", or a shutdown notice), so a
+        # blocking server-side wait needs no polling and no timeout of its own.
+        self.store.wait([key], _FOREVER)
+        return self.store.get(key)
+
+    def _wait_plan(self, g: int) -> Plan:
+        data = json.loads(self._wait_key(Keys.plan(g)))
+        if "shutdown" in data:
+            self._exit_on_shutdown(data["shutdown"])
+        return Plan(**data)
+
+    def _exit_on_shutdown(self, reason: str) -> None:
+        print(f"[torchpass] rank {self.rank} ({self.wid}): job stopped by the controller: {reason}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(3)
+
+    def _wait_go(self, g: int) -> bool:
+        outcome = self._wait_key(Keys.go(g)).decode()
+        if outcome.startswith("abort") and self.store.check([Keys.shutdown]):
+            self._exit_on_shutdown(self.store.get(Keys.shutdown).decode())
+        return outcome == "go"
+
+    def _retire(self, plan: Plan) -> None:
+        """A draining rank: stay a source until the new generation starts, then leave."""
+        assert self.rank is not None
+        put(self.store, Keys.ready(plan.generation, self.rank), "retiring")
+        if not self._wait_go(plan.generation):
+            return
+        self.phase = "done"
+        print(f"[torchpass] rank {self.rank} ({self.wid}) handed over to {plan.members[str(self.rank)]}; exiting", flush=True)
+        self.server.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+    def _ready_and_go(self, plan: Plan) -> bool:
+        assert self.rank is not None
+        put(self.store, Keys.ready(plan.generation, self.rank), "ready")
+        return self._wait_go(plan.generation)
+
+    def _go_live(self, plan: Plan) -> None:
+        t0 = _now()
+        self._set_generation(plan.generation)
+        comms.rebuild_all(self.store, plan.generation, timedelta(seconds=self.config.rebuild_timeout_s))
+        dist.barrier()
+        self._timings.add("rebuild", _now() - t0)
+        self.version = plan.target_version
+        self.step = plan.target_version + 1
+        self.clean = True
+
+    # ---- state ------------------------------------------------------------
+    def _capture(self) -> Captured:
+        assert self.provider is not None
+        components, classes = self.provider.state_components()
+        components = {**components, "__small__": self._small_state(capture_rng())}
+        classes = {**classes, "__small__": SMALL_CLASS}
+        return capture(components, classes, self.version, meta={"classes": classes})
+
+    def _addresses(self, plan: Plan, ranks: list[int]) -> list[tuple[str, int]]:
+        return [tuple(plan.addresses[str(r)]) for r in ranks]  # type: ignore[misc]
+
+    def _apply_plan(self, plan: Plan, *, joining: bool) -> None:
+        assert self.provider is not None and self.rank is not None
+        rank_plan = plan.rank_plan(self.rank)
+        target = plan.target_version
+        by_sources: dict[tuple[int, ...], set[str]] = {}
+        for cls, sources in rank_plan.fetch.items():
+            by_sources.setdefault(tuple(sources), set()).add(cls)
+        if rank_plan.small_from.startswith("rank:"):
+            by_sources.setdefault((int(rank_plan.small_from[5:]),), set()).add(SMALL_CLASS)
+        received: dict[str, Any] = {}
+        for sources, classes in by_sources.items():
+            mine = self._capture()
+            manifest, tensors, stats = fetch_state(
+                self._addresses(plan, list(sources)),
+                target,
+                chunk_bytes=self.config.transfer_chunk_bytes,
+                retries=self.config.transfer_retries,
+                timeout=self.config.rebuild_timeout_s,
+                verify_replicas=self.config.verify_replicas,
+                state_classes=classes,
+                into=mine,
+                pool=self._pool,
+            )
+            self._timings.bytes_moved += stats.nbytes
+            component_classes = manifest.meta["classes"]
+            state = rebuild(manifest, tensors)
+            received.update({name: value for name, value in state.items() if component_classes[name] in classes})
+        small = received.pop("__small__", None)
+        if received:
+            self.provider.load_components(received, joining=joining)
+        if rank_plan.small_from == "mirror":
+            records = get_pickle(self.store, Keys.mirror(self.rank)) or {}
+            small = records.get(target)
+            if small is None:
+                raise RuntimeError(f"torchpass: rank {self.rank}'s mirror has no record for step {target}")
+        if small is not None:
+            # Data first: starting a DataLoader iterator draws from the global torch RNG,
+            # which in the original run happened before the step the RNG state was taken at.
+            if self.data is not None and small["data"] is not None:
+                if joining:
+                    self.data.fast_forward(small["data"])
+                else:
+                    self.data.seek(small["data"]["position"])
+            restore_rng(small["rng"])
+        self.version = target
+
+    # ---- joining --------------------------------------------------------
+    def _join(self) -> int:
+        assert self._plan is not None
+        plan = self._plan
+        self._timings = _Timings()
+        self._timings.add("spare_setup", _now() - self._t_assigned)
+        while True:
+            t0 = _now()
+            self._apply_plan(plan, joining=True)
+            self._timings.add("transfer", _now() - t0)
+            if self._ready_and_go(plan):
+                break
+            plan = self._wait_plan(plan.generation + 1)
+            if plan.members.get(str(self.rank)) != self.wid:
+                print(f"[torchpass] spare {self.wid} was released from rank {self.rank}; exiting", flush=True)
+                os._exit(0)
+        self._go_live(plan)
+        self._pending_done = {"recovered_s": _now() - self._t_assigned}
+        return plan.target_version + 1
+
+    def _report_done(self) -> None:
+        assert self._pending_done is not None and self.rank is not None
+        detail = {**self._pending_done, **self._timings.values, "bytes": self._timings.bytes_moved, "t_done": _now()}
+        put(self.store, Keys.done(self.generation, self.rank), detail)
+        self._pending_done = None
+
+    # ---- shutdown --------------------------------------------------------
+    def finish(self) -> None:
+        self.phase = "done"
+
+
+def _my_host() -> str:
+    import socket
+
+    return socket.gethostname()
+
+
+_RUNTIME: Runtime | None = None
+
+
+def current() -> Runtime | None:
+    """This process's runtime when it was started by ``torchpass launch``, else None."""
+    return _RUNTIME
+
+
+def init_from_env() -> Runtime:
+    global _RUNTIME
+    if _RUNTIME is None:
+        _RUNTIME = Runtime()
+    return _RUNTIME
+
+

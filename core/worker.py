@@ -1,0 +1,126 @@
+"""Worker bootstrap: ``python -m torchpass.core.worker [-m module | script] [args...]``.
+
+``torchpass launch`` starts every worker, active or spare, through this module:
+
+1. install rebuildable process groups (:func:`torchpass.core.comms.install`) so
+   the training script's ``init_process_group("gloo")`` creates them;
+2. start the runtime: register with the controller, start heartbeats;
+3. a spare imports the script's third-party dependencies (so it is warm), then
+   waits for an assignment; once it has a rank it sets the environment
+   ``torchrun`` would have given that rank and makes new process groups start
+   local;
+4. run the training script as ``__main__``. An uncaught exception is written
+   to ``TORCHELASTIC_ERROR_FILE`` (torch elastic's error-file format) so the
+   agent can tell a bug in the script, which it must not retry on a spare, from
+   a crash or a kill, which it migrates.
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import importlib
+import importlib.util
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from . import comms, runtime
+
+__all__ = ["main"]
+
+
+def _third_party_imports(script: str) -> list[str]:
+    """Top-level packages the script imports that are installed (not files next to it)."""
+    try:
+        tree = ast.parse(Path(script).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError) as exc:
+        print(f"[torchpass] not preloading imports of {script}: {exc}", file=sys.stderr, flush=True)
+        return []
+    here = Path(script).resolve().parent
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names += [a.name.split(".")[0] for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module.split(".")[0])
+    out = []
+    for name in dict.fromkeys(names):
+        if (here / name).exists() or (here / f"{name}.py").exists():
+            continue
+        if importlib.util.find_spec(name) is not None:
+            out.append(name)
+    return out
+
+
+def _preload(target: str, is_module: bool) -> None:
+    """Import what the script will import, so a spare's set-up after assignment is short."""
+    names = [target.split(".")[0]] if is_module else _third_party_imports(target)
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # the script will import it again and fail loudly if it must
+            print(f"[torchpass] spare preload of {name!r} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+
+
+def _become_rank(rank: int) -> None:
+    os.environ["RANK"] = str(rank)
+    os.environ["ROLE_RANK"] = str(rank)
+    os.environ["TORCHPASS_ROLE"] = "active"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    is_module = bool(argv) and argv[0] in ("-m", "--module")
+    if is_module:
+        argv = argv[1:]
+    if not argv:
+        raise SystemExit("usage: python -m torchpass.core.worker [-m module | script] [args...]")
+    target, args = argv[0], argv[1:]
+    comms.install()
+    rt = runtime.init_from_env()
+    rt.install_signal_handlers()
+    if rt.role == "spare":
+        _preload(target, is_module)
+        _become_rank(rt.wait_for_assignment())
+        comms.set_local_mode_default(True)
+    error_handler = ErrorHandler()
+    error_handler.initialize()
+    code = 0
+    try:
+        sys.argv = [target, *args]
+        if is_module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.path.insert(0, str(Path(target).resolve().parent))
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException as exc:
+        error_handler.record_exception(exc)
+        traceback.print_exc()
+        code = 1
+    rt.finish()
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """Leave without interpreter finalization.
+
+    The runtime's threads block in store waits and gloo keeps worker threads;
+    tearing those down during finalization aborts the process ("terminate
+    called without an active exception"), which would look like a crash to the
+    agent. The script's atexit handlers still run first.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
