@@ -66,6 +66,7 @@ class _Worker:
     error_file: Path
     started: float
     fenced_for: str = ""
+    last_heartbeat: float = 0.0
 
 
 class Agent:
@@ -179,6 +180,7 @@ class Agent:
             return
         age = now - hb.t
         if age > self.config.heartbeat_timeout_s and hb.phase != "done":
+            w.last_heartbeat = hb.t
             self.fence(w.wid, f"stopped heartbeating {age:.1f} s ago (hung)")
 
     def fence(self, wid: str, why: str) -> None:
@@ -212,8 +214,9 @@ class Agent:
         if error:
             detail["error"] = error.strip().splitlines()[-1][:500]
             detail["comm_error"] = any(m in error for m in _COMM_MARKERS)
-        kind = "hung" if w.fenced_for and "hung" in w.fenced_for else "exit"
-        self.events.post(Report(kind, w.wid, self.spec.node, w.rank, detail=detail))
+        kind = "hung" if w.last_heartbeat else "exit"
+        # A hang started when the heartbeats stopped, not when the fence noticed it.
+        self.events.post(Report(kind, w.wid, self.spec.node, w.rank, t=w.last_heartbeat or time.time(), detail=detail))
 
     def alive(self) -> list[str]:
         return list(self.workers)

@@ -28,8 +28,10 @@ What each line buys:
 
 The optimizer step is the commit point: the persistent state must change only
 inside ``optimizer.step()`` (and the scheduler step right after it, with no
-collective in between). Without ``torchpass launch`` the same loop runs as a
-plain loop.
+collective in between). Keep the whole step, logging included, inside the
+``with`` block: code after the block also runs for an interrupted step (whose
+``step.done`` is False) before the loop re-executes it. Without
+``torchpass launch`` the same loop runs as a plain loop.
 """
 
 from __future__ import annotations
@@ -44,7 +46,40 @@ from . import runtime
 from .data import ReplayableData
 from .topology import Layout, ddp_layout
 
-__all__ = ["Run", "Step"]
+__all__ = ["Run", "Step", "watch_backward"]
+
+
+def watch_backward(module: torch.nn.Module, callback: Any) -> None:
+    """Call ``callback`` when a backward pass reaches ``module``'s outputs (the forward is then complete).
+
+    A forward hook puts a gradient hook on the output tensors; neither changes
+    any value, so results stay bitwise identical.
+    """
+
+    def on_forward(mod: torch.nn.Module, args: Any, output: Any) -> None:
+        del mod, args
+        fired = [False]
+
+        def on_grad(grad: torch.Tensor) -> None:
+            if not fired[0]:
+                fired[0] = True
+                callback()
+
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(on_grad)
+
+    module.register_forward_hook(on_forward)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
 
 
 class Step:
@@ -54,6 +89,8 @@ class Step:
         self.run = run
         self.number = number
         self.resume_at: int | None = None
+        self.done = False
+        """True once the body completed; False after a migration interrupted it (it runs again)."""
 
     def batch(self) -> Any:
         """The next batch of this step (the same ones again if the step is re-executed)."""
@@ -70,9 +107,11 @@ class Step:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         rt = runtime.current()
         if rt is None:
+            self.done = exc is None
             return False
         if exc is None:
             rt.step_end(self.number)
+            self.done = True
             return False
         if not isinstance(exc, Exception) or not rt.is_comm_failure(exc):
             return False
@@ -105,6 +144,7 @@ class Run:
         if rt is not None:
             for d in self._ddps:
                 ddp_support.check_supported(d)
+            watch_backward(model, rt.backward_started)
 
     # ---- the loop ---------------------------------------------------------
     def steps(self, num_steps: int, start: int = 1) -> Iterator[Step]:

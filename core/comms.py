@@ -82,8 +82,21 @@ _registry_lock = threading.Lock()
 _registry: list[weakref.ReferenceType["RebuildableProcessGroup"]] = []
 # Serializes socket creation we own against a rebuild's before/after socket snapshot.
 socket_creation_lock = threading.Lock()
+# Connections that are never gloo's: to the store, and accepted by the state server.
+_not_gloo_peer_ports: set[int] = set()
+_not_gloo_local_ports: set[int] = set()
+
+
+def exclude_ports(*, peer: int | None = None, local: int | None = None) -> None:
+    """Declare connections (to ``peer`` port, or accepted on ``local`` port) that a release must never touch."""
+    if peer is not None:
+        _not_gloo_peer_ports.add(peer)
+    if local is not None:
+        _not_gloo_local_ports.add(local)
 _local_by_default = False
 _installed = False
+before_collective: Callable[[], None] | None = None
+"""Called before every live collective (the runtime makes pending mirror records durable)."""
 
 
 def set_local_mode_default(local: bool) -> None:
@@ -132,7 +145,13 @@ class _Transport:
             self.backend = ProcessGroupGloo(store, rank, size, connect_timeout)
             after = _connected_sockets()
         self.backend._set_default_timeout(op_timeout)
-        self.sockets = {fd: info[0] for fd, info in after.items() if before.get(fd, (None,))[0] != info[0]}
+        self.sockets = {
+            fd: link
+            for fd, (link, local, peer) in after.items()
+            if before.get(fd, (None,))[0] != link
+            and peer[1] not in _not_gloo_peer_ports
+            and local[1] not in _not_gloo_local_ports
+        }
         self.group = dist.ProcessGroup(store, rank, size)
         self.group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.backend)
         self.group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
@@ -289,6 +308,8 @@ class RebuildableProcessGroup(dist.ProcessGroup):
     def _run(self, name: str, args: tuple[Any, ...], local: Callable[[], Any]) -> dist.Work:
         transport = self._transport
         if transport is not None:
+            if before_collective is not None:
+                before_collective()
             return getattr(transport.group, name)(*args)
         return _completed(local())
 

@@ -143,8 +143,15 @@ def try_get(store: dist.Store, key: str, cls: type[T]) -> T | None:
 
 
 def connect(host: str, port: int, timeout: float = 300.0) -> dist.TCPStore:
-    """A client connection to the control-plane store (one per thread: clients are not thread-safe)."""
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    """A client connection to the control-plane store (one per thread: clients are not thread-safe).
+
+    Created under the socket-creation lock so a concurrent rebuild never mistakes
+    this socket for one of its gloo connections.
+    """
+    from .comms import socket_creation_lock
+
+    with socket_creation_lock:
+        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
 @dataclass

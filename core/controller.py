@@ -114,7 +114,7 @@ class Controller:
         self.outcome: tuple[int, str] | None = None
         self.migration: _Migration | None = None
         self.sticky: dict[int, str] = {}
-        self.nodes_alive: dict[int, float] = {}
+        self.nodes_lost: set[int] = set()
         self._last_progress = (0, time.time())
         self._pending_reports: list[Report] = []
         put(store, Keys.gen, 0)
@@ -155,6 +155,9 @@ class Controller:
             self._on_report(report)
         if self.outcome is not None:
             return
+        self._check_nodes()
+        if self.outcome is not None:
+            return
         if self.migration is None:
             self._watch_running()
         else:
@@ -173,8 +176,6 @@ class Controller:
             self.spares[report.wid] = report.node
         elif kind == "attached":
             self._on_attached(report)
-        elif kind == "node_alive":
-            self.nodes_alive[report.node] = report.t
         elif kind in ("exit", "hung"):
             self._on_exit(report)
         elif kind in ("drain", "node_drain", "migrate"):
@@ -205,6 +206,12 @@ class Controller:
             return
         rank = next((r for r, w in self.members.items() if w == wid), None)
         rec = self.records.get(wid)
+        if wid in self.sticky.values():
+            # A spare that was given a rank and died before the generation went live.
+            self.lost_wids.add(wid)
+            self._set_role(wid, "lost")
+            self._write_workers_json()
+            return
         if rank is None:
             # A retired rank leaving, a released spare, or a rank already counted lost.
             if rec is not None and rec.role not in ("retired", "lost"):
@@ -236,6 +243,8 @@ class Controller:
     def _on_drain(self, report: Report) -> None:
         if report.kind == "node_drain":
             ranks = {r for r, w in self.members.items() if self.node_of.get(w) == report.node}
+            for w in [w for w, n in self.spares.items() if n == report.node]:
+                del self.spares[w]  # the node's spares leave with it
             what = f"node {report.node} is draining ({report.detail.get('signal', 'request')})"
         else:
             ranks = {report.rank} if report.rank is not None else set()
@@ -251,21 +260,34 @@ class Controller:
     def _watch_running(self) -> None:
         end = try_get_text(self.store, Keys.end(self.generation))
         if end is not None:
-            self._failure(set(), "comm", f"generation {self.generation} ended: {end}", time.time())
+            self._failure(set(), "comm", end, time.time())
             return
         now = time.time()
-        for node, seen in list(self.nodes_alive.items()):
-            if node != 0 and now - seen > self.config.heartbeat_timeout_s:
-                lost = {r for r, w in self.members.items() if self.node_of.get(w) == node and r not in self.finished}
-                del self.nodes_alive[node]
-                for w, n in list(self.spares.items()):
-                    if n == node:
-                        del self.spares[w]
-                if lost:
-                    self._failure(lost, "node", f"node {node}'s launcher stopped heartbeating; ranks {sorted(lost)} lost", seen)
-                    return
         if len(self.attached) == self.spec.world_size and not self.finished:
             self._check_progress(now)
+
+    def _check_nodes(self) -> None:
+        """A node whose agent stopped heartbeating is lost with every process on it."""
+        now = time.time()
+        for node in range(1, self.spec.nnodes):
+            key = f"{Keys.node_mail(node)}/hb"
+            if node in self.nodes_lost or not self.store.check([key]):
+                continue
+            seen = float(self.store.get(key))
+            if now - seen <= self.config.heartbeat_timeout_s:
+                continue
+            self.nodes_lost.add(node)
+            for w in [w for w, n in self.spares.items() if n == node]:
+                del self.spares[w]
+                self.lost_wids.add(w)
+                self._set_role(w, "lost")
+            lost = {r for r, w in self.members.items() if self.node_of.get(w) == node and r not in self.finished}
+            for r in lost:
+                self.lost_wids.add(self.members[r])
+                self._set_role(self.members[r], "lost")
+            self._write_workers_json()
+            if lost:
+                self._failure(lost, "node", f"node {node}'s launcher stopped heartbeating; ranks {sorted(lost)} lost", seen)
 
     def _check_progress(self, now: float) -> None:
         steps = []
@@ -281,11 +303,18 @@ class Controller:
             self._failure(set(), "progress", f"no step finished for {self.config.hang_timeout_s:.0f} s (stuck collective?)", now)
 
     def _failure(self, ranks: set[int], cause: str, message: str, t_fault: float) -> None:
-        if self.migration is not None:
-            # A further fault while migrating: fold it into the running attempt.
-            self.migration.failed |= ranks
-            if self.migration.phase == "joining":
-                self._abort_joining(message)
+        m = self.migration
+        if m is not None and m.phase == "resuming":
+            # The new generation went live and then lost a member: a new incident.
+            self._ledger_migration(m, "superseded", m.classification, message)
+            self.migration = None
+        elif m is not None:
+            # A further fault while migrating: fold it into the running attempt. A
+            # collective error is a symptom; the process exit behind it is the cause.
+            if m.cause in ("comm", "progress") and ranks:
+                m.cause, m.message, m.t_fault = cause, message, min(m.t_fault, t_fault)
+            # While joining, a lost process of the plan voids it (see _joining).
+            m.failed |= ranks
             return
         self.migration_start(cause, QUALIFYING, ranks, set(), message, t_fault)
 
@@ -373,7 +402,8 @@ class Controller:
             statuses=statuses,
             lost=set(m.failed),
             draining=set(m.draining) - m.failed,
-            spares=[SpareInfo(w, n) for w, n in sorted(self.spares.items())],
+            spares=[SpareInfo(w, n) for w, n in sorted(self.spares.items())]
+            + [SpareInfo(w, self.node_of[w]) for w in sorted(self.sticky.values()) if w not in self.lost_wids],
             node_of=self.node_of,
             mirrors=self._mirrors(set(m.failed) | lagging | set(range(self.spec.world_size))),
             sticky=self.sticky,
@@ -416,8 +446,18 @@ class Controller:
             if wid in self.lost_wids:
                 self._abort_joining(f"rank {rank_s}'s process {wid} was lost while joining")
                 return
-            if not self.store.check([Keys.ready(m.generation, int(rank_s))]):
+            key = Keys.ready(m.generation, int(rank_s))
+            if not self.store.check([key]):
                 missing.append(int(rank_s))
+                continue
+            answer = self.store.get(key).decode()
+            if answer.startswith("failed"):
+                if m.attempts >= self.config.transfer_retries + 2:
+                    self._ledger_migration(m, "failed", m.classification, answer)
+                    self._stop(2, f"cannot migrate: {answer} (after {m.attempts} attempts)", m.classification, ledger=False)
+                else:
+                    self._abort_joining(answer[len("failed: "):])
+                return
         if missing:
             if time.time() > m.deadline:
                 for rank in missing:
@@ -466,6 +506,10 @@ class Controller:
     # ---- resuming -----------------------------------------------------------------
     def _resuming(self, m: _Migration) -> None:
         assert m.plan is not None
+        end = try_get_text(self.store, Keys.end(self.generation))
+        if end is not None:
+            self._failure(set(), "comm", end, time.time())
+            return
         done = {}
         for rank_s in m.plan.members:
             detail = try_get(self.store, Keys.done(m.generation, int(rank_s)), dict)

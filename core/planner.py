@@ -166,7 +166,12 @@ def _plan_at(inp: PlanInput, version: int) -> dict[int, RankPlan] | str:
                 plan.fetch[cls] = sources
         small = _small_source(inp, rank, version)
         if small is None:
-            return f"rank {rank}: its RNG and data position at step {version} were not mirrored and no replica shares them"
+            mirror = inp.mirrors.get(rank)
+            have = sorted(mirror.versions) if mirror else []
+            return (
+                f"rank {rank}: its RNG and data position at step {version} were not mirrored "
+                f"(its mirror holds steps {have}) and no data-parallel replica's RNG is known to match it"
+            )
         plan.small_from = small
         plans[rank] = plan
     return plans

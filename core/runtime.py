@@ -74,7 +74,7 @@ from .data import ReplayableData
 from .manifest import Captured, capture, rebuild
 from .rng import capture_rng, restore_rng, rng_digest
 from .topology import layout_to_dict
-from .transfer import ReceivePool, StateServer, fetch_state
+from .transfer import ReceivePool, StateServer, TransferError, fetch_state
 
 __all__ = ["Runtime", "current", "CommFailure"]
 
@@ -110,29 +110,59 @@ def _now() -> float:
 
 
 class _Mirror(threading.Thread):
-    """Writes the latest small-state records to the store off the training thread."""
+    """Writes the latest small-state records to the store off the training thread.
+
+    ``submit(..., durable=True)`` marks a record that must be in the store before
+    the rank's next collective (see ``Runtime.backward_started``); ``flush``
+    waits for it, usually without blocking because the write overlapped with
+    backward compute.
+    """
 
     def __init__(self, host: str, port: int, rank: int):
         super().__init__(name="torchpass-mirror", daemon=True)
         self._store = connect(host, port)
         self._key = Keys.mirror(rank)
-        self._queue: queue.Queue[dict[int, dict[str, Any]] | None] = queue.Queue()
+        self._cv = threading.Condition()
+        self._latest: dict[int, dict[str, Any]] | None = None
+        self._submitted = 0
+        self._written = 0
+        self._durable = 0
+        self.error: BaseException | None = None
         self.start()
 
-    def submit(self, records: dict[int, dict[str, Any]]) -> None:
-        self._queue.put(records)
+    def submit(self, records: dict[int, dict[str, Any]], durable: bool = False) -> None:
+        with self._cv:
+            self._latest = records
+            self._submitted += 1
+            if durable:
+                self._durable = self._submitted
+            self._cv.notify_all()
+
+    def flush(self, timeout: float) -> None:
+        """Return once the last durable record is in the store."""
+        with self._cv:
+            if self._written >= self._durable:
+                return
+            if not self._cv.wait_for(lambda: self._written >= self._durable or self.error is not None, timeout):
+                raise RuntimeError(f"torchpass: mirroring this rank's RNG state to the store took over {timeout:.0f} s")
+        if self.error is not None:
+            raise RuntimeError(f"torchpass: mirroring this rank's RNG state failed: {self.error}") from self.error
 
     def run(self) -> None:
         while True:
-            item = self._queue.get()
-            while not self._queue.empty():  # only the newest snapshot matters
-                nxt = self._queue.get()
-                if nxt is None:
-                    return
-                item = nxt
-            if item is None:
+            with self._cv:
+                self._cv.wait_for(lambda: self._submitted > self._written)
+                records, target = self._latest, self._submitted
+            try:
+                put_pickle(self._store, self._key, records)
+            except BaseException as exc:  # surfaced to the training thread by flush()
+                with self._cv:
+                    self.error = exc
+                    self._cv.notify_all()
                 return
-            put_pickle(self._store, self._key, item)
+            with self._cv:
+                self._written = target
+                self._cv.notify_all()
 
 
 class Runtime:
@@ -173,6 +203,7 @@ class Runtime:
         self._pool: ReceivePool | None = None
         self._gen_cv = threading.Condition()
         self.server = StateServer(host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host())
+        comms.exclude_ports(peer=self.store_port, local=self.server.address[1])
         self._attached = False
         self._register()
         threading.Thread(target=self._heartbeat_loop, name="torchpass-heartbeat", daemon=True).start()
@@ -185,10 +216,17 @@ class Runtime:
         put(self.store, Keys.worker(self.wid), record)
 
     def _heartbeat_loop(self) -> None:
-        store = connect(self.store_host, self.store_port)
         key = Keys.heartbeat(self.wid)
+        store = connect(self.store_host, self.store_port)
         while True:
-            put(store, key, Heartbeat(_now(), self.step, self.generation, self.phase))
+            try:
+                put(store, key, Heartbeat(_now(), self.step, self.generation, self.phase))
+            except dist.DistError as exc:
+                # Without heartbeats this rank will be fenced; say why, and keep trying.
+                print(f"[torchpass] {self.wid}: heartbeat to the store failed: {exc}; reconnecting", file=sys.stderr, flush=True)
+                time.sleep(self.config.heartbeat_interval_s)
+                store = connect(self.store_host, self.store_port)
+                continue
             time.sleep(self.config.heartbeat_interval_s)
 
     def _monitor_loop(self) -> None:
@@ -264,6 +302,7 @@ class Runtime:
             opt.register_step_post_hook(self._commit_end)
         assert self.rank is not None
         self._mirror = _Mirror(self.store_host, self.store_port, self.rank)
+        comms.before_collective = self._flush_mirror
         if self.role == "spare":
             first = self._join()
         else:
@@ -332,21 +371,37 @@ class Runtime:
         if self._optimizers_done >= self._optimizers_total:
             self.committing = False
             self.version = self.step
-            self._mirror_small("commit", self.version, capture_rng())
 
     def _small_state(self, rng: dict[str, Any]) -> dict[str, Any]:
         return {"rng": rng, "data": self.data.snapshot() if self.data is not None else None, "digest": rng_digest(rng)}
 
-    def _mirror_small(self, kind: str, version: int, rng: dict[str, Any]) -> None:
+    def backward_started(self) -> None:
+        """A backward pass of this step began: the step's RNG draws and batches are final.
+
+        Record the rank's small state as of the end of this step (version = step)
+        and make it durable before the rank's next collective. A failure can end
+        the step on the survivors but not on this rank: a ring allreduce may
+        complete on peers that received this rank's last chunk while this rank
+        dies before its own completes. Those survivors hold version ``step``,
+        and whoever replaces this rank needs its RNG at exactly that version.
+        """
+        if self.in_step and self._mirror is not None:
+            self._mirror_small("backward", self.step, capture_rng(), durable=True)
+
+    def _flush_mirror(self) -> None:
+        assert self._mirror is not None
+        self._mirror.flush(self.config.report_timeout_s)
+
+    def _mirror_small(self, kind: str, version: int, rng: dict[str, Any], durable: bool = False) -> None:
         record = {"kind": kind, **self._small_state(rng)}
         previous = self._mirror_records.get(version)
-        if previous is not None and previous["kind"] == "start" and kind == "commit":
-            return  # the exact step-start record wins over the commit-time one
+        if previous is not None and previous["kind"] == "start" and kind != "start":
+            return  # the exact step-start record wins over the end-of-backward one
         self._mirror_records[version] = record
         for v in sorted(self._mirror_records)[:-2]:
             del self._mirror_records[v]
         assert self._mirror is not None
-        self._mirror.submit(dict(self._mirror_records))
+        self._mirror.submit(dict(self._mirror_records), durable=durable)
 
     # ---- failure classification -----------------------------------------
     def is_comm_failure(self, exc: BaseException) -> bool:
@@ -381,7 +436,6 @@ class Runtime:
                 self.data.seek(start)
         self.clean = not dirty
         self._timings = _Timings()
-        self._timings.add("report", 0.0)
         while True:
             status = Status(
                 self.rank,
@@ -399,17 +453,50 @@ class Runtime:
                 self._retire(plan)
                 self._set_generation(plan.generation)
                 continue
-            t0 = _now()
-            self._apply_plan(plan, joining=False)
-            self._timings.add("transfer", _now() - t0)
-            if self._ready_and_go(plan):
+            if self._join_generation(plan, joining=False):
                 break
-            self._set_generation(plan.generation)
-        self._go_live(plan)
         self.server.publish(None)
         self._pending_done = {"recovered_s": _now() - t_fail}
         self.phase = "train"
         return plan.target_version + 1
+
+    def _join_generation(self, plan: Plan, *, joining: bool) -> bool:
+        """Fetch what the plan says, report ready, and go live on ``plan.generation``.
+
+        Returns False when the attempt was abandoned (a member or a source died,
+        a transfer failed): the rank is then in ``plan.generation`` and reports
+        again there, and the controller plans the next generation.
+        """
+        assert self.rank is not None
+        failure = ""
+        t0 = _now()
+        try:
+            self._apply_plan(plan, joining=joining)
+        except (TransferError, OSError) as exc:
+            failure = f"rank {self.rank} could not fetch its state: {exc}"
+            print(f"[torchpass] {failure}", file=sys.stderr, flush=True)
+        self._timings.add("transfer", _now() - t0)
+        put(self.store, Keys.ready(plan.generation, self.rank), f"failed: {failure}" if failure else "ready")
+        go = self._wait_go(plan.generation)
+        self._set_generation(plan.generation)
+        if not go:
+            return False
+        t0 = _now()
+        try:
+            comms.rebuild_all(self.store, plan.generation, timedelta(seconds=self.config.rebuild_timeout_s))
+            dist.barrier()
+        except (dist.DistError, RuntimeError) as exc:
+            # A member died between "go" and the end of the rebuild: this generation is over too.
+            reason = f"rank {self.rank}: rebuilding generation {plan.generation} failed: {exc}"
+            print(f"[torchpass] {reason}", file=sys.stderr, flush=True)
+            comms.release_generation(plan.generation)
+            self.store.compare_set(Keys.end(plan.generation), "", reason[:500])
+            return False
+        self._timings.add("rebuild", _now() - t0)
+        self.version = plan.target_version
+        self.step = plan.target_version + 1
+        self.clean = True
+        return True
 
     def _wait_key(self, key: str) -> bytes:
         # The controller always answers (a plan, "go", "abort", or a shutdown notice), so a
@@ -436,8 +523,6 @@ class Runtime:
 
     def _retire(self, plan: Plan) -> None:
         """A draining rank: stay a source until the new generation starts, then leave."""
-        assert self.rank is not None
-        put(self.store, Keys.ready(plan.generation, self.rank), "retiring")
         if not self._wait_go(plan.generation):
             return
         self.phase = "done"
@@ -446,21 +531,6 @@ class Runtime:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-
-    def _ready_and_go(self, plan: Plan) -> bool:
-        assert self.rank is not None
-        put(self.store, Keys.ready(plan.generation, self.rank), "ready")
-        return self._wait_go(plan.generation)
-
-    def _go_live(self, plan: Plan) -> None:
-        t0 = _now()
-        self._set_generation(plan.generation)
-        comms.rebuild_all(self.store, plan.generation, timedelta(seconds=self.config.rebuild_timeout_s))
-        dist.barrier()
-        self._timings.add("rebuild", _now() - t0)
-        self.version = plan.target_version
-        self.step = plan.target_version + 1
-        self.clean = True
 
     # ---- state ------------------------------------------------------------
     def _capture(self) -> Captured:
@@ -525,17 +595,12 @@ class Runtime:
         plan = self._plan
         self._timings = _Timings()
         self._timings.add("spare_setup", _now() - self._t_assigned)
-        while True:
-            t0 = _now()
-            self._apply_plan(plan, joining=True)
-            self._timings.add("transfer", _now() - t0)
-            if self._ready_and_go(plan):
-                break
+        while not self._join_generation(plan, joining=True):
             plan = self._wait_plan(plan.generation + 1)
             if plan.members.get(str(self.rank)) != self.wid:
                 print(f"[torchpass] spare {self.wid} was released from rank {self.rank}; exiting", flush=True)
+                sys.stdout.flush()
                 os._exit(0)
-        self._go_live(plan)
         self._pending_done = {"recovered_s": _now() - self._t_assigned}
         return plan.target_version + 1
 

@@ -11,8 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .control import Heartbeat, Keys, connect, try_get
-
 __all__ = ["read_workers", "format_status"]
 
 
@@ -23,7 +21,9 @@ def read_workers(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _heartbeats(data: dict[str, Any]) -> dict[str, Heartbeat]:
+def _heartbeats(data: dict[str, Any]) -> dict[str, Any]:
+    from .control import Heartbeat, Keys, connect, try_get  # torch is only needed for the live view
+
     store_addr = data.get("store")
     if not store_addr:
         return {}

@@ -8,6 +8,7 @@ Run it with plain `torchrun` and it trains the same way, without migration.
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,12 +54,10 @@ def main() -> None:
             sched.step()
             opt.zero_grad()
             losses[step.number] = loss.item()
+            if rank == 0 and step.number % 5 == 0:
+                print(f"step {step.number} loss {losses[step.number]:.6f}", flush=True)
             if args.step_sleep:
-                import time
-
                 time.sleep(args.step_sleep)
-        if rank == 0 and step.number % 5 == 0:
-            print(f"step {step.number} loss {losses[step.number]:.6f}", flush=True)
 
     if args.out:
         digest = torchpass.core.manifest.state_digest({"model": model.state_dict(), "optimizer": opt.state_dict()})

@@ -1,0 +1,160 @@
+"""End to end: the DDP reference job survives real faults and ends bitwise identical to the fault-free run.
+
+Every case runs ``torchpass launch`` with 4 active ranks on CPU/gloo, injects a
+real fault with ``torchpass inject`` at a randomly chosen step (seed printed),
+and checks the semantics contract: final model, optimizer and scheduler state
+and every step's loss equal the fault-free run's bit for bit; survivors keep
+their PIDs; nothing but the job's own outputs is written (no checkpoint); the
+ledger and ``torchpass report`` account for the migration.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.harness import JOBS, assert_bitwise, fault_rng, launch
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 20
+JOB = JOBS / "jobs_ddp.py"
+ARGS = ["--steps", str(STEPS), "--workdir", ".", "--step-sleep", "0.2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run = launch(tmp_path_factory.mktemp("reference"), JOB, ARGS)
+    assert run.wait() == 0, run.output()[-3000:]
+    assert not run.migrations()
+    return run.results()
+
+
+def _check_success(run, reference, pids_before: dict[int, int], replaced: set[int], cause: str) -> dict:
+    assert run.wait() == 0, run.output()[-4000:]
+    results = run.results()
+    assert_bitwise(results, reference)
+    for rank, pid in pids_before.items():
+        if rank in replaced:
+            assert results[rank]["pid"] != pid, f"rank {rank} should run in a spare now"
+        else:
+            assert results[rank]["pid"] == pid, f"survivor rank {rank} changed PID {pid} -> {results[rank]['pid']}"
+    assert run.stray_files() == [], "the job wrote files besides its outputs (a checkpoint?)"
+    done = [m for m in run.migrations() if m["outcome"] == "success"]
+    assert done, run.output()[-3000:]
+    last = done[-1]
+    assert last["cause"] == cause and last["classification"] == "qualifying"
+    assert set(map(int, last["replaced"])) <= replaced
+    assert last["bytes_moved"] > 0 and last["steps_lost"] == 0
+    for rank_s, src in last["sources"].items():
+        for cls, sources in src["from"].items():
+            assert all(s["rank"] != int(rank_s) or cause == "planned" for s in sources), (cls, sources)
+    report = run.report()
+    assert report["success_rate"] == 1.0 and report["qualifying"] == len(done)
+    return last
+
+
+def test_sigkill_random_rank_random_step(tmp_path: Path, reference: dict) -> None:
+    rng = fault_rng("sigkill")
+    rank, step = rng.randrange(4), rng.randint(3, STEPS - 4)
+    run = launch(tmp_path, JOB, ARGS)
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject("kill", rank=rank)
+    last = _check_success(run, reference, pids, {rank}, "kill")
+    assert last["failed_ranks"] == [rank]
+
+
+def test_sigstop_hang_recovers_within_heartbeat_timeout(tmp_path: Path, reference: dict) -> None:
+    rng = fault_rng("sigstop")
+    rank, step = rng.randrange(4), rng.randint(3, STEPS - 4)
+    run = launch(tmp_path, JOB, ARGS)
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject("hang", rank=rank)
+    last = _check_success(run, reference, pids, {rank}, "hang")
+    # fast_detect: heartbeat timeout 3 s; the process-group timeout is gloo's 30 min default.
+    assert last["timings"]["detect"] < 3.0 + 2.0, last["timings"]
+    assert last["timings"]["total"] < 60.0, last["timings"]
+
+
+def test_sigterm_is_a_planned_migration_from_the_rank_itself(tmp_path: Path, reference: dict) -> None:
+    rng = fault_rng("sigterm")
+    rank, step = rng.randrange(4), rng.randint(3, STEPS - 4)
+    run = launch(tmp_path, JOB, ARGS)
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject("term", rank=rank)
+    last = _check_success(run, reference, pids, {rank}, "planned")
+    assert [s["rank"] for s in last["sources"][str(rank)]["from"]["params"]] == [rank]
+
+
+def test_whole_node_lost_with_its_launcher(tmp_path: Path, reference: dict) -> None:
+    rng = fault_rng("node")
+    step = rng.randint(3, STEPS - 4)
+    run = launch(tmp_path, JOB, ARGS, nproc=2, nnodes=2, node_spares=[2, 0])
+    run.wait_step(2, step)
+    pids = run.active_pids()
+    run.inject("node", rank=2)
+    last = _check_success(run, reference, pids, {2, 3}, "node")
+    assert sorted(last["failed_ranks"]) == [2, 3]
+
+
+def test_two_faults_in_a_row(tmp_path: Path, reference: dict) -> None:
+    rng = fault_rng("two-faults")
+    first, second = rng.sample(range(4), 2)
+    s1 = rng.randint(3, 7)
+    s2 = rng.randint(s1 + 4, STEPS - 3)
+    run = launch(tmp_path, JOB, ARGS, spares=2)
+    run.wait_step(first, s1)
+    pids = run.active_pids()
+    run.inject("kill", rank=first)
+    run.wait_for_line("migration to generation 1 succeeded")
+    run.wait_step(second, s2)
+    run.inject("kill", rank=second)
+    _check_success(run, reference, pids, {first, second}, "kill")
+    assert [m["outcome"] for m in run.migrations()] == ["success", "success"]
+
+
+def test_fault_during_a_migration(tmp_path: Path, reference: dict) -> None:
+    rng = fault_rng("fault-during-migration")
+    first, second = rng.sample(range(4), 2)
+    step = rng.randint(3, STEPS - 6)
+    run = launch(tmp_path, JOB, ARGS, spares=2)
+    run.wait_step(first, step)
+    pids = run.active_pids()
+    run.inject("kill", rank=first)
+    run.wait_for_line("plan for generation 1")
+    run.inject("kill", rank=second)
+    _check_success(run, reference, pids, {first, second}, "kill")
+    outcomes = [m["outcome"] for m in run.migrations()]
+    assert outcomes[-1] == "success" and "superseded" in outcomes, outcomes
+
+
+def test_assigned_spare_dies_while_joining(tmp_path: Path, reference: dict) -> None:
+    rng = fault_rng("spare-dies")
+    rank, step = rng.randrange(4), rng.randint(3, STEPS - 6)
+    run = launch(tmp_path, JOB, ARGS, spares=2)
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject("kill", rank=rank)
+    run.wait_for_line("plan for generation 1")
+    assigned = next(w["wid"] for w in run.workers()["workers"] if w["role"] == "spare" and w["wid"] == "n0-s0")
+    run.inject("kill", worker=assigned)
+    _check_success(run, reference, pids, {rank}, "kill")
+
+
+def test_no_spare_left_is_a_clean_disqualified_exit(tmp_path: Path) -> None:
+    run = launch(tmp_path, JOB, ARGS, spares=0)
+    run.wait_step(1, 5)
+    run.inject("kill", rank=1)
+    code = run.wait()
+    assert code != 0
+    assert "no spare left for rank(s) [1]" in run.output()
+    assert "torchpass: job failed: cannot migrate" in run.output().splitlines()[-1] or "job failed" in run.output()
+    events = run.migrations()
+    assert events and events[-1]["classification"] == "disqualifying" and events[-1]["outcome"] == "failed"
+    report = run.report()
+    assert report["disqualifying"] == 1 and report["success_rate"] is None
+    assert not (run.workdir / "out").exists() or not list((run.workdir / "out").iterdir())

@@ -1,0 +1,1 @@
+"""Test support: multi-process job harness, reference jobs and framework CPU shims."""

@@ -1,0 +1,206 @@
+"""Drive real ``torchpass launch`` jobs from tests: start, time faults by step, inject, collect, compare.
+
+Faults go through ``torchpass inject`` (the product's own command) and are
+timed by the ``progress/rank<r>`` files the test jobs write at each step start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+JOBS = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fault_rng(name: str) -> random.Random:
+    """A seeded RNG for fault times; the seed is printed so a failure can be replayed."""
+    seed = int(os.environ.get("TORCHPASS_TEST_SEED", random.randrange(1 << 30)))
+    print(f"[{name}] fault seed {seed} (set TORCHPASS_TEST_SEED={seed} to replay)")
+    return random.Random(seed)
+
+
+@dataclass
+class JobRun:
+    workdir: Path
+    procs: list[subprocess.Popen]
+    logs: list[Path]
+    run_dir: Path
+    started: float = field(default_factory=time.time)
+
+    # ---- observing -----------------------------------------------------------
+    def step_of(self, rank: int) -> int:
+        try:
+            return int((self.workdir / "progress" / f"rank{rank}").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def wait_step(self, rank: int, step: int, timeout: float = 120.0) -> None:
+        deadline = time.time() + timeout
+        while self.step_of(rank) < step:
+            if any(p.poll() is not None for p in self.procs):
+                raise AssertionError(f"job ended before rank {rank} reached step {step}:\n{self.output()[-3000:]}")
+            if time.time() > deadline:
+                raise AssertionError(f"rank {rank} did not reach step {step} in {timeout} s:\n{self.output()[-3000:]}")
+            time.sleep(0.02)
+
+    def wait_for_line(self, text: str, timeout: float = 120.0) -> None:
+        deadline = time.time() + timeout
+        while text not in self.output():
+            if time.time() > deadline:
+                raise AssertionError(f"{text!r} never appeared:\n{self.output()[-3000:]}")
+            time.sleep(0.02)
+
+    def workers(self) -> dict[str, Any]:
+        return json.loads((self.run_dir / "workers.json").read_text())
+
+    def active_pids(self) -> dict[int, int]:
+        return {w["rank"]: w["pid"] for w in self.workers()["workers"] if w["role"] == "active"}
+
+    def output(self) -> str:
+        return "\n".join(log.read_text(errors="replace") for log in self.logs if log.exists())
+
+    # ---- acting --------------------------------------------------------------
+    def inject(self, fault: str, *, rank: int | None = None, worker: str | None = None) -> None:
+        # The function behind `torchpass inject`, called in-process: a CLI subprocess
+        # would land the fault a second later than the step the test chose.
+        from torchpass.core.inject import inject
+
+        inject(self.run_dir, fault, rank=rank, wid=worker)
+
+    def wait(self, timeout: float = 240.0) -> int:
+        deadline = time.time() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(1.0, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise AssertionError(f"job did not finish in {timeout} s:\n{self.output()[-4000:]}") from None
+        return self.procs[0].returncode
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+    # ---- results -------------------------------------------------------------
+    def results(self) -> dict[int, dict[str, Any]]:
+        """Per rank: final digest and PID, and the loss of every step from whichever process ran it.
+
+        A step re-executed after a migration appears twice only if its first run
+        reached the loss line; both runs must then agree, which is checked here.
+        """
+        out: dict[int, dict[str, Any]] = {}
+        for f in sorted((self.workdir / "out").glob("rank*.json")):
+            out[int(f.stem[4:])] = json.loads(f.read_text())
+        for f in sorted((self.workdir / "losses").glob("rank*.jsonl")):
+            rank = int(f.stem[4:])
+            curve: dict[int, float] = {}
+            for line in f.read_text().splitlines():
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if rec["step"] in curve:
+                    assert curve[rec["step"]] == rec["loss"], f"rank {rank} step {rec['step']} ran twice with different losses"
+                curve[rec["step"]] = rec["loss"]
+            out.setdefault(rank, {})["losses"] = curve
+        return out
+
+    def ledger(self) -> list[dict[str, Any]]:
+        path = self.run_dir / "events.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+    def migrations(self) -> list[dict[str, Any]]:
+        return [e for e in self.ledger() if e["type"] == "migration"]
+
+    def report(self) -> dict[str, Any]:
+        res = subprocess.run(
+            [sys.executable, "-m", "torchpass.core.cli", "report", "--run-dir", str(self.run_dir), "--json"],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return json.loads(res.stdout)
+
+    def stray_files(self) -> list[str]:
+        """Files the job wrote outside its progress, output and run directories (checkpoints, say)."""
+        allowed = {"progress", "out", "losses", "run", "launcher0.log", "launcher1.log"}
+        return sorted(str(p.relative_to(self.workdir)) for p in self.workdir.iterdir() if p.name not in allowed)
+
+
+def launch(
+    workdir: Path,
+    script: str | Path,
+    script_args: list[str],
+    *,
+    nproc: int = 4,
+    spares: int = 1,
+    nnodes: int = 1,
+    node_spares: list[int] | None = None,
+    config: str = "fast_detect",
+    extra: list[str] | None = None,
+    module: bool = False,
+    env: dict[str, str] | None = None,
+) -> JobRun:
+    """Start a job (one launcher per node, all on this machine) with its cwd in ``workdir``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    run_dir = workdir / "run"
+    procs, logs = [], []
+    for node in range(nnodes):
+        node_spare = (node_spares or [spares] * nnodes)[node]
+        cmd = [
+            sys.executable, "-m", "torchpass.core.cli", "launch",
+            "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc),
+            "--spares-per-node", str(node_spare), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            "--run-dir", str(run_dir), "--config", config, *(extra or []),
+            *(["-m", str(script)] if module else [str(script)]), *script_args,
+        ]  # fmt: skip
+        log = workdir / f"launcher{node}.log"
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / ".."), full_env.get("PYTHONPATH", "")]))
+        procs.append(
+            subprocess.Popen(cmd, cwd=workdir, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
+        )
+        logs.append(log)
+        if node == 0:
+            _wait_file(run_dir / "events.jsonl", procs[0], log)
+    return JobRun(workdir, procs, logs, run_dir)
+
+
+def _wait_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            raise AssertionError(f"launcher did not start:\n{log.read_text()[-3000:]}")
+        time.sleep(0.05)
+
+
+def assert_bitwise(run: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]]) -> None:
+    """Every rank's final state digest and every step's loss equal the fault-free run's, bit for bit."""
+    assert sorted(run) == sorted(reference), f"ranks {sorted(run)} vs reference {sorted(reference)}"
+    for rank, ref in reference.items():
+        got = run[rank]
+        assert got["digest"] == ref["digest"], f"rank {rank}: final model/optimizer state differs from the fault-free run"
+        assert sorted(got["losses"]) == sorted(ref["losses"]), (
+            f"rank {rank}: steps with a loss {sorted(set(ref['losses']) ^ set(got['losses']))} differ from the fault-free run"
+        )
+        for step, loss in ref["losses"].items():
+            assert got["losses"][step] == loss, f"rank {rank} step {step}: loss {got['losses'][step]!r} != fault-free {loss!r}"
+

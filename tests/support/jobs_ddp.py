@@ -1,0 +1,72 @@
+"""The DDP reference job of the end-to-end tests (plain PyTorch, CPU, gloo).
+
+Dropout, AdamW with weight decay, a warm-up LR schedule and a shuffled
+DistributedSampler: every piece of state a migration must carry over. Each rank
+writes ``progress/rank<r>`` (the step it is executing) for the harness to time
+faults, appends each finished step's loss to ``losses/rank<r>.jsonl`` (so the
+curve of a process that is killed survives it), and at the end writes
+``out/rank<r>.json``: a SHA-256 of its model, optimizer and scheduler state,
+and its PID.
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import torchpass
+from torchpass.core.manifest import state_digest
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--step-sleep", type=float, default=0.05)
+    args = p.parse_args()
+    work = Path(args.workdir)
+    (work / "progress").mkdir(parents=True, exist_ok=True)
+    (work / "out").mkdir(parents=True, exist_ok=True)
+    (work / "losses").mkdir(parents=True, exist_ok=True)
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(2048, 16, generator=g)
+    y = torch.sin(x.sum(1, keepdim=True))
+    data = TensorDataset(x, y)
+    loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, world, rank, shuffle=True, seed=3))
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1))
+    model = DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
+    progress = work / "progress" / f"rank{rank}"
+    curve = open(work / "losses" / f"rank{rank}.jsonl", "a", buffering=1)
+    run = torchpass.Run(model=model, optimizer=opt, scheduler=sched, data=loader)
+    for step in run.steps(args.steps):
+        with step:
+            progress.write_text(str(step.number))
+            xb, yb = step.batch()
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            # Recorded before the optimizer step: a process killed after committing
+            # this step (the survivors then resume after it) has logged it already.
+            curve.write(json.dumps({"step": step.number, "loss": loss.item(), "pid": os.getpid()}) + "\n")
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            time.sleep(args.step_sleep)
+    digest = state_digest({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+    (work / "out" / f"rank{rank}.json").write_text(json.dumps({"digest": digest, "pid": os.getpid()}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
