@@ -92,6 +92,7 @@ class Agent:
         env = {
             "TORCHPASS_WID": wid,
             "TORCHPASS_ROLE": role,
+            "TORCHPASS_STARTED_AS": role,
             "TORCHPASS_NODE": str(s.node),
             "TORCHPASS_WORLD_SIZE": str(world),
             "TORCHPASS_STORE": f"{s.store_host}:{s.store_port}",

@@ -40,11 +40,12 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from . import ddp as ddp_support
 from . import runtime
 from .data import ReplayableData
-from .topology import Layout, ddp_layout
+from .topology import Layout, StateClass, ddp_layout
 
 __all__ = ["Run", "Step", "watch_backward"]
 
@@ -70,6 +71,19 @@ def watch_backward(module: torch.nn.Module, callback: Any) -> None:
                 t.register_hook(on_grad)
 
     module.register_forward_hook(on_forward)
+
+
+def _local(opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer whose state this rank holds: ZeroRedundancyOptimizer's local shard optimizer.
+
+    Its own ``state_dict`` consolidates every rank's shard with collectives, which a
+    migration can neither afford nor rely on.
+    """
+    return opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -163,15 +177,30 @@ class Run:
 
     # ---- StateProvider ------------------------------------------------------
     def layout(self) -> Layout:
-        return self._layout if self._layout is not None else ddp_layout(dist.get_world_size())
+        if self._layout is not None:
+            return self._layout
+        layout = ddp_layout(dist.get_world_size())
+        if any(isinstance(opt, ZeroRedundancyOptimizer) for opt in self.optimizers):
+            # ZeRO-1: each rank's optimizer state covers its own partition of the parameters.
+            grid = layout.grid()
+            classes = dict(layout.state_classes)
+            classes["optimizer"] = StateClass(grid.name, ())
+            layout = Layout("ddp+zero1", layout.grids, classes)
+        return layout
 
     def state_components(self) -> tuple[dict[str, Any], dict[str, str]]:
         components: dict[str, Any] = {
             "model": self.model.state_dict(),
-            "optimizer": [opt.state_dict() for opt in self.optimizers],
+            "optimizer": [_local(opt).state_dict() for opt in self.optimizers],
             "ddp": [ddp_support.bucket_layout(d) for d in self._ddps],
         }
         classes = {"model": "params", "optimizer": "optimizer", "ddp": "global"}
+        zero = [opt for opt in self.optimizers if isinstance(opt, ZeroRedundancyOptimizer)]
+        if zero:
+            # The hyper-parameters schedulers write live in the wrapper's param_groups,
+            # which overwrite the shard optimizer's at every step.
+            components["zero_groups"] = [[_hyper(g) for g in opt.param_groups] for opt in zero]
+            classes["zero_groups"] = "global"
         if self.scheduler is not None:
             components["scheduler"] = self.scheduler.state_dict()
             classes["scheduler"] = "global"
@@ -185,7 +214,12 @@ class Run:
             self.model.load_state_dict(components["model"])
         if "optimizer" in components:
             for opt, state in zip(self.optimizers, components["optimizer"]):
-                opt.load_state_dict(state)
+                _local(opt).load_state_dict(state)
+        if "zero_groups" in components:
+            zero = [opt for opt in self.optimizers if isinstance(opt, ZeroRedundancyOptimizer)]
+            for opt, groups in zip(zero, components["zero_groups"]):
+                for group, saved in zip(opt.param_groups, groups):
+                    group.update(saved)
         if "scheduler" in components and self.scheduler is not None:
             self.scheduler.load_state_dict(components["scheduler"])
         for name, obj in self.extra.items():

@@ -185,11 +185,14 @@ def _completed(result: Any) -> dist.Work:
 
 
 def _reduce_local(tensors: list[torch.Tensor], op: Any, size: int) -> list[torch.Tensor]:
-    """Reduce as if ``size`` peers held these tensors: only SUM changes the values."""
-    if op == ReduceOp.SUM:
-        for t in tensors:
-            if t.dtype != torch.bool:
-                t.mul_(size)
+    """Reduce as if ``size`` peers held these tensors: SUM multiplies, PRODUCT raises to the power."""
+    for t in tensors:
+        if t.dtype == torch.bool:
+            continue
+        if op == ReduceOp.SUM:
+            t.mul_(size)
+        elif op == ReduceOp.PRODUCT:
+            t.pow_(size)
     return tensors
 
 
@@ -205,12 +208,19 @@ def _gather_into(output: torch.Tensor, input: torch.Tensor, size: int) -> list[t
     return [output]
 
 
-def _exchange_local(output: torch.Tensor, input: torch.Tensor) -> list[torch.Tensor]:
-    # With uneven splits the local fiction has no sensible answer; the values are
-    # overwritten by the state transfer anyway, so zeros keep it deterministic.
-    if output.shape == input.shape:
-        output.copy_(input)
+def _exchange_local(
+    output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], rank: int, size: int
+) -> list[torch.Tensor]:
+    """All-to-all as if every peer held this rank's input: each peer sends its chunk for this rank."""
+    in_sizes = in_splits or [input.shape[0] // size] * size
+    out_sizes = out_splits or [output.shape[0] // size] * size
+    mine = input.split(in_sizes)[rank]
+    if all(n == mine.shape[0] for n in out_sizes):
+        for chunk in output.split(out_sizes):
+            chunk.copy_(mine)
     else:
+        # Uneven splits have no consistent fiction; the values are overwritten by the
+        # state transfer anyway, so zeros keep the spare deterministic.
         output.zero_()
     return [output]
 
@@ -325,11 +335,14 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         return self._run("allgather", (outputs, inputs, opts or AllgatherOptions()), lambda: _fill_lists(outputs, inputs))
 
     def allgather_coalesced(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        return self._run(
-            "allgather_coalesced",
-            (outputs, inputs, opts or AllgatherOptions()),
-            lambda: [_fill_lists([outs], [inp]) for outs in outputs for inp in inputs],
-        )
+        def local() -> list[list[torch.Tensor]]:
+            # outputs[r][j] receives input j of rank r; every rank holds these inputs.
+            for per_rank in outputs:
+                for out, inp in zip(per_rank, inputs):
+                    out.copy_(inp)
+            return outputs
+
+        return self._run("allgather_coalesced", (outputs, inputs, opts or AllgatherOptions()), local)
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist.Work:
         return self._run("_allgather_base", (output, input, opts or AllgatherOptions()), lambda: _gather_into(output, input, self._size))
@@ -391,11 +404,11 @@ class RebuildableProcessGroup(dist.ProcessGroup):
 
     def alltoall_base(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None) -> dist.Work:
         args = (output, input, out_splits, in_splits, opts or AllToAllOptions())
-        return self._run("alltoall_base", args, lambda: _exchange_local(output, input))
+        return self._run("alltoall_base", args, lambda: _exchange_local(output, input, out_splits, in_splits, self._rank, self._size))
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, out_splits: list[int], in_splits: list[int], opts: Any = None) -> dist.Work:
         args = (output, input, out_splits, in_splits, opts or AllToAllOptions())
-        return self._run("all_to_all_single", args, lambda: _exchange_local(output, input))
+        return self._run("all_to_all_single", args, lambda: _exchange_local(output, input, out_splits, in_splits, self._rank, self._size))
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return self._run("alltoall", (outputs, inputs, opts or AllToAllOptions()), lambda: [o.copy_(inputs[self._rank]) for o in outputs])
@@ -475,13 +488,16 @@ def _create(dist_opts: Any, backend_options: Any) -> RebuildableProcessGroup:
 
 
 _REWRITES = {"gloo": BACKEND_NAME, "cpu:gloo": BACKEND_NAME, BACKEND_NAME: BACKEND_NAME}
+# "fake" groups never communicate (TorchTitan uses them for size-1 mesh dimensions):
+# there is nothing to rebuild, so they stay as they are.
+_KEEP = ("undefined", "fake")
 
 
 def _rewrite_backend(backend: Any) -> Any:
     if backend is None:
         return None
     key = str(backend).lower()
-    if key in ("undefined",):
+    if key in _KEEP:
         return backend
     if key in _REWRITES:
         return _REWRITES[key]

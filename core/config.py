@@ -22,11 +22,14 @@ from pathlib import Path
 from typing import Any, Mapping, get_type_hints
 
 __all__ = [
+    "ChaosConfig",
     "ConfigError",
     "TelemetryConfig",
     "TorchPassConfig",
     "load_preset",
+    "load_scenario",
     "config_from_mapping",
+    "deep_merge",
     "preset_names",
     "register_with_hydra",
 ]
@@ -57,6 +60,30 @@ class TelemetryConfig:
     step_times: bool = False
     """Record every step's wall time in the ledger (one line per step). Off by default: it
     is only needed for overhead studies and would grow the ledger with the run length."""
+
+
+CHAOS_POINTS = ("step_start", "backward", "commit", "after_commit")
+
+
+@dataclass
+class ChaosConfig:
+    """A deterministic fault: SIGKILL one rank at a precise point of the step protocol.
+
+    ``torchpass inject`` lands faults at wall-clock moments; this lands them at a
+    protocol point (inside the optimizer step, say), to test the hardest cases on
+    your own workload. It fires once, in the process first started for that rank,
+    never in the spare that replaces it.
+    """
+
+    kill_rank: int = field(default=-1, metadata={"check": (lambda v: v >= -1, "an integer >= -1 (-1: off)")})
+    """The global rank to kill; -1 turns chaos off (the default)."""
+
+    kill_step: int = field(default=0, metadata={"check": (_non_negative, "an integer >= 0")})
+    """The step during which to kill it."""
+
+    kill_point: str = field(default="commit", metadata={"choices": CHAOS_POINTS})
+    """``step_start``, ``backward`` (the backward pass began), ``commit`` (inside the optimizer step, before
+    it changes anything) or ``after_commit`` (the optimizer step finished, the step did not)."""
 
 
 @dataclass
@@ -129,6 +156,9 @@ class TorchPassConfig:
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     """Optional records beyond the ledger."""
 
+    chaos: ChaosConfig = field(default_factory=ChaosConfig)
+    """Deterministic fault injection for testing (off by default)."""
+
     def validate(self, source: str = "torchpass config") -> "TorchPassConfig":
         """Check cross-field constraints; raise :class:`ConfigError` naming the fields."""
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -169,10 +199,8 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, source: str) -> Any:
     for key, value in data.items():
         if key not in fields:
             close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(
-                f"{source}: unknown key {prefix}{key!s}{hint} Valid keys: {', '.join(sorted(fields))}"
-            )
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{source}: unknown key {prefix}{key!s}{hint}; valid keys: {', '.join(sorted(fields))}")
         expected = hints[key]
         if dataclasses.is_dataclass(expected):
             kwargs[key] = _build(expected, value, f"{prefix}{key}.", source)
@@ -208,15 +236,29 @@ def load_preset(name: str, overrides: Mapping[str, Any] | None = None) -> TorchP
         raise ConfigError(f"torchpass preset {name!r} not found; available presets: {', '.join(preset_names())}")
     raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
     raw.pop("defaults", None)
-    merged = _deep_merge(raw, dict(overrides or {}))
+    merged = deep_merge(raw, dict(overrides or {}))
     return config_from_mapping(merged, source=f"torchpass preset {path.name}")
 
 
-def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+def load_scenario(group: str, name: str) -> dict[str, Any]:
+    """A raw config fragment from ``configs/<group>/<name>.yaml`` (validated once merged into a config)."""
+    from omegaconf import OmegaConf
+
+    path = _presets_dir().parent / group / f"{name}.yaml"
+    if not path.is_file():
+        names = sorted(p.stem for p in path.parent.glob("*.yaml"))
+        raise ConfigError(f"no {group} scenario {name!r}; available: {', '.join(names)}")
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    raw.pop("defaults", None)
+    return raw
+
+
+def deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    """``top`` over ``base``, merging nested mappings key by key."""
     out = dict(base)
     for key, value in top.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
-            out[key] = _deep_merge(dict(out[key]), value)
+            out[key] = deep_merge(dict(out[key]), value)
         else:
             out[key] = value
     return out

@@ -20,6 +20,7 @@ key                         written by           read by
 ``g/<g>/done/<rank>``       members              controller (timings after resuming)
 ``assign/<wid>``            controller           a spare (its rank, or an order to exit)
 ``mirror/<rank>``           each rank            planner (RNG/data position per version)
+``rankinfo/<rank>``         each rank            ranks pairing buddies (node, transfer address)
 ``node/<n>/mail/...``       controller           agent n (fence a worker)
 ``shutdown``                controller           agents, spares
 ==========================  ===================  =====================================
@@ -106,6 +107,10 @@ class Keys:
     @staticmethod
     def assign(wid: str) -> str:
         return f"{PREFIX}assign/{wid}"
+
+    @staticmethod
+    def rankinfo(rank: int) -> str:
+        return f"{PREFIX}rankinfo/{rank}"
 
     @staticmethod
     def mirror(rank: int) -> str:
@@ -205,6 +210,10 @@ class Status:
     """The step the rank was executing (or about to) when the generation ended."""
     transfer_addr: list[Any]
     draining: bool = False
+    snapshots: list[int] = field(default_factory=list)
+    """Versions of this rank's complete local snapshots (buddy redundancy)."""
+    holds: dict[str, list[int]] = field(default_factory=dict)
+    """Rank (as a string) -> versions of that rank's buddy copies held here."""
     t: float = field(default_factory=time.time)
 
 
@@ -212,11 +221,13 @@ class Status:
 class RankPlan:
     """What one member does to reach the target version."""
 
-    fetch: dict[str, list[int]] = field(default_factory=dict)
-    """State class -> ranks to copy it from, striped over all of them (empty: keep own state)."""
+    fetch: dict[str, list[list[Any]]] = field(default_factory=dict)
+    """State class -> sources ``[rank, copy]`` to copy it from, striped over all of them (empty: keep the live
+    state). ``copy`` is ``live``, ``snapshot`` (the source's own earlier consistent copy) or ``held:<r>`` (a
+    buddy copy of rank r held by the source); a rank may name itself to restore its own snapshot."""
     small_from: str = "self"
     """Where the rank's RNG streams and data position come from: ``self``, ``mirror`` (its record in the
-    store) or ``rank:<r>`` (rank r's live small state: a draining rank's own, or an identical replica's)."""
+    store) or ``<rank>/<copy>`` (the small state inside that source's copy)."""
 
 
 @dataclass
@@ -235,6 +246,8 @@ class Plan:
     """Rank -> worker id of the process it replaced."""
     retire: list[str] = field(default_factory=list)
     """Worker ids that hand their rank over and exit (planned migrations)."""
+    steps_lost: int = 0
+    """Completed steps rolled back (the newest survivor version minus the target)."""
     t: float = field(default_factory=time.time)
 
     def rank_plan(self, rank: int) -> RankPlan:

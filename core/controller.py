@@ -544,7 +544,10 @@ class Controller:
                 if fetch:
                     sources[rank_s] = {
                         "at": self.layout.locate(int(rank_s)),
-                        "from": {cls: [{"rank": s, "at": self.layout.locate(s)} for s in src] for cls, src in fetch.items()},
+                        "from": {
+                            cls: [{"rank": r, "copy": copy, "at": self.layout.locate(r)} for r, copy in src]
+                            for cls, src in fetch.items()
+                        },
                     }
         event = MigrationEvent(
             generation=m.generation,
@@ -554,7 +557,7 @@ class Controller:
             failed_ranks=sorted(m.failed | m.draining),
             replaced={r: plan.members[r] for r in plan.replaced} if plan is not None else {},
             target_step=plan.target_version + 1 if plan is not None else 0,
-            steps_lost=0,
+            steps_lost=plan.steps_lost if plan is not None else 0,
             sources=sources,
             bytes_moved=sum(int(d.get("bytes", 0)) for d in done.values()),
             timings={k: round(v, 4) for k, v in timings.items()},

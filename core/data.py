@@ -88,7 +88,13 @@ class ReplayableData:
 
     # ---- the runtime's side ----------------------------------------------
     def mark_step(self, step: int) -> None:
-        """Record that ``step`` starts at the current position; drop batches no kept step needs."""
+        """Record that ``step`` starts at the current position; drop batches no kept step needs.
+
+        A re-executed step replaces its own mark and those of later steps, which did
+        not happen as far as the data is concerned.
+        """
+        while self._marks and self._marks[-1][0] >= step:
+            self._marks.pop()
         self._marks.append((step, self.position))
         while len(self._marks) > self.keep_steps:
             self._marks.popleft()

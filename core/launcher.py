@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .agent import Agent, NodeSpec
-from .config import ConfigError, TorchPassConfig, config_from_mapping, load_preset
+from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario
 from .control import Keys, Mailbox, Report
 from .controller import Controller, JobSpec
 
@@ -58,20 +58,21 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--run-dir", "--run_dir", default=None, help="workers.json, events.jsonl and logs (default: config run_dir)")
     t.add_argument("--config", default=None, help="a torchpass preset name or YAML file")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field (repeatable)")
+    t.add_argument("--chaos", default=None, help="a chaos scenario from configs/chaos (deterministic fault injection)")
     t.add_argument("--quiet", action="store_true", help="do not copy worker output to this console")
     p.add_argument("training_script", help="the script (or module with -m) to run on every rank")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
 
 
 def _parse_overrides(items: list[str]) -> dict[str, Any]:
-    from omegaconf import OmegaConf
+    import yaml
 
     out: dict[str, Any] = {}
     for item in items:
         if "=" not in item:
             raise LaunchError(f"--set {item!r}: expected KEY=VALUE")
         key, raw = item.split("=", 1)
-        value = OmegaConf.to_container(OmegaConf.create({"v": raw}), resolve=True)["v"]  # YAML typing: true, 3, 0.5
+        value = yaml.safe_load(raw) if raw.strip() else raw  # YAML scalars: true, 3, 0.5, text
         target = out
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -82,6 +83,8 @@ def _parse_overrides(items: list[str]) -> dict[str, Any]:
 
 def _config(args: argparse.Namespace) -> TorchPassConfig:
     overrides = _parse_overrides(args.set)
+    if args.chaos:
+        overrides = deep_merge(load_scenario("chaos", args.chaos), overrides)
     if args.config:
         return load_preset(args.config, overrides)
     return config_from_mapping(overrides, source="torchpass launch --set")

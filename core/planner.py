@@ -10,14 +10,15 @@ the spare pool, and the small-state mirrors.
 Rules:
 
 * The target version T is the highest version at which every rank of the new
-  world can obtain every class of its state: from itself (a clean survivor at T),
-  or from a clean survivor at T in its replica set for that class (a draining
-  rank is always its own best source). Survivors past T would have to roll
-  back; without snapshots that is impossible, so in replica mode T is the
-  highest clean version or nothing.
+  world can obtain every class of its state: from itself (a clean survivor at
+  T, or its own snapshot at T: a rollback), from a replica in its replica set
+  for that class holding T live or in a snapshot, or from a buddy copy of it
+  held by another rank (a draining rank is always its own best source). Without
+  snapshots a survivor cannot go back, so in replica mode T is the newest clean
+  version or nothing; with buddy copies it is at most one interval back.
 * Small per-rank state (RNG streams, data position) at T comes from the rank
-  itself, from its mirror record for T, or from a replica whose small state is
-  known to be identical (equal mirror digests at a common version).
+  itself, its snapshot, its mirror record for T, its buddy copy, or a replica
+  whose small state is known to be identical (equal mirror digests).
 * A lost or draining rank gets a spare: the one it was given by an earlier,
   interrupted plan if that spare is still alive, else one on its own node,
   else one on the node with the most spares left.
@@ -28,7 +29,7 @@ Rules:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from .control import Plan, RankPlan, Status
 from .topology import Layout
@@ -75,45 +76,63 @@ class Disqualified:
     """``no_spare`` or ``no_state``."""
 
 
-def _sources_at(inp: PlanInput, rank: int, state_class: str, version: int) -> list[int]:
-    """Clean, reporting ranks at ``version`` holding ``rank``'s copy of ``state_class``."""
-    out = []
+def _usable(inp: PlanInput, rank: int) -> Status | None:
+    st = inp.statuses.get(rank)
+    return st if st is not None and rank not in inp.lost else None
+
+
+def _sources(inp: PlanInput, rank: int, state_class: str, version: int) -> list[tuple[int, str]]:
+    """Copies of ``rank``'s ``state_class`` state at ``version`` held by other reporting ranks."""
+    out: list[tuple[int, str]] = []
     for r in inp.layout.replica_set(rank, state_class):
-        st = inp.statuses.get(r)
-        if st is not None and st.clean and st.version == version and r not in inp.lost:
-            out.append(r)
+        st = _usable(inp, r)
+        if st is None or r == rank:
+            continue
+        if st.clean and st.version == version:
+            out.append((r, "live"))
+        elif version in st.snapshots:
+            out.append((r, "snapshot"))
+    for r, st in sorted(inp.statuses.items()):
+        if r not in inp.lost and version in st.holds.get(str(rank), []):
+            out.append((r, f"held:{rank}"))
     return out
 
 
 def _small_source(inp: PlanInput, rank: int, version: int) -> str | None:
-    st = inp.statuses.get(rank)
-    if st is not None and st.clean and st.version == version and rank not in inp.lost:
-        return "self" if rank not in inp.draining else f"rank:{rank}"
+    st = _usable(inp, rank)
+    if st is not None and st.clean and st.version == version:
+        return "self" if rank not in inp.draining else f"{rank}/live"
+    if st is not None and version in st.snapshots:
+        return f"{rank}/snapshot"
     mirror = inp.mirrors.get(rank)
     if mirror is not None and version in mirror.versions:
         return "mirror"
+    for r, other_st in sorted(inp.statuses.items()):
+        if r not in inp.lost and version in other_st.holds.get(str(rank), []):
+            return f"{r}/held:{rank}"
     if mirror is None:
         return None
     # The RNG streams of data-parallel replicas are often seeded alike: if this
-    # rank's last mirrored record matches a replica's at the same version, the
-    # replica's live small state is this rank's too.
+    # rank's mirrored records match a replica's at every common version, the
+    # replica's small state is this rank's too.
     for r in inp.layout.replica_set(rank, "params"):
-        if r == rank:
-            continue
         other = inp.mirrors.get(r)
-        st = inp.statuses.get(r)
-        if other is None or st is None or not st.clean or st.version != version or r in inp.lost:
+        other_st = _usable(inp, r)
+        if r == rank or other is None or other_st is None or not other_st.clean or other_st.version != version:
             continue
         common = set(mirror.versions) & set(other.versions)
         if common and all(mirror.versions[v] == other.versions[v] for v in common):
-            return f"rank:{r}"
+            return f"{r}/live"
     return None
 
 
-def _nearest(sources: list[int], rank: int, node_of_rank: Mapping[int, int], limit: int) -> list[int]:
-    # Prefer sources on the receiver's node, then by rank distance, for deterministic striping.
+def _nearest(sources: list[list[Any]], rank: int, node_of_rank: Mapping[int, int], limit: int) -> list[list[Any]]:
+    # Live copies first (no extra copy needed), then the receiver's node, then rank distance.
     here = node_of_rank.get(rank)
-    return sorted(sources, key=lambda s: (node_of_rank.get(s) != here, abs(s - rank), s))[:limit]
+    ranked = sorted(sources, key=lambda s: (s[1] != "live", node_of_rank.get(s[0]) != here, abs(s[0] - rank), s[0]))
+    # Striping mixes only copies of the same kind, whose bytes are guaranteed equal.
+    kind = ranked[0][1]
+    return [s for s in ranked if s[1] == kind][:limit]
 
 
 def _assign_spares(inp: PlanInput, needy: list[int]) -> dict[int, str] | Disqualified:
@@ -134,7 +153,7 @@ def _assign_spares(inp: PlanInput, needy: list[int]) -> dict[int, str] | Disqual
                 "no_spare",
             )
         home = inp.node_of.get(inp.members.get(rank, ""), -1)
-        local = [w for w, n in pool.items() if n == home and rank not in inp.lost]
+        local = [w for w, n in pool.items() if n == home]
         if local:
             wid = sorted(local)[0]
         else:
@@ -151,19 +170,23 @@ def _plan_at(inp: PlanInput, version: int) -> dict[int, RankPlan] | str:
     """Per-rank plans to reach ``version``, or a sentence naming the first rank that cannot."""
     plans: dict[int, RankPlan] = {}
     for rank in range(inp.layout.world_size):
-        st = inp.statuses.get(rank)
-        usable = st is not None and st.clean and st.version == version and rank not in inp.lost
+        st = _usable(inp, rank)
         plan = RankPlan()
-        if not usable or rank in inp.draining:
+        live = st is not None and st.clean and st.version == version
+        if live and rank in inp.draining:
+            # A draining rank hands over exactly its own state, sharded parts included.
+            plan.fetch = {cls: [[rank, "live"]] for cls in sorted(inp.layout.state_classes)}
+        elif not live and st is not None and version in st.snapshots:
+            plan.fetch = {cls: [[rank, "snapshot"]] for cls in sorted(inp.layout.state_classes)}
+        elif not live:
             for cls in sorted(inp.layout.state_classes):
-                # A draining rank hands over exactly its own state, sharded parts included.
-                sources = [rank] if usable else [s for s in _sources_at(inp, rank, cls, version) if s != rank]
+                sources = _sources(inp, rank, cls, version)
                 if not sources:
                     return (
                         f"rank {rank}: no surviving copy of its {cls!r} state at step {version} "
-                        f"(replica set {inp.layout.replica_set(rank, cls)}, lost {sorted(inp.lost)})"
+                        f"(replica set {inp.layout.replica_set(rank, cls)}, lost {sorted(inp.lost)}, no buddy copy)"
                     )
-                plan.fetch[cls] = sources
+                plan.fetch[cls] = [list(s) for s in sources]
         small = _small_source(inp, rank, version)
         if small is None:
             mirror = inp.mirrors.get(rank)
@@ -179,14 +202,25 @@ def _plan_at(inp: PlanInput, version: int) -> dict[int, RankPlan] | str:
 
 def plan_migration(inp: PlanInput) -> Plan | Disqualified:
     """Plan the next generation, or say why none exists."""
-    versions = [st.version for r, st in inp.statuses.items() if st.clean and r not in inp.lost]
-    if not versions:
-        return Disqualified("no surviving rank holds a clean copy of its state", "no_state")
-    # Survivors cannot roll back without snapshots, so only the newest clean version is a candidate.
-    target = max(versions)
-    rank_plans = _plan_at(inp, target)
-    if isinstance(rank_plans, str):
-        return Disqualified(rank_plans, "no_state")
+    reporting = {r: st for r, st in inp.statuses.items() if r not in inp.lost}
+    candidates = {st.version for st in reporting.values() if st.clean}
+    for st in reporting.values():
+        candidates.update(st.snapshots)
+        for versions in st.holds.values():
+            candidates.update(versions)
+    if not candidates:
+        return Disqualified("no surviving rank holds a clean copy of its state, live or snapshot", "no_state")
+    problem = ""
+    target, rank_plans = -1, {}
+    for version in sorted(candidates, reverse=True):
+        found = _plan_at(inp, version)
+        if isinstance(found, str):
+            problem = problem or found
+            continue
+        target, rank_plans = version, found
+        break
+    if target < 0:
+        return Disqualified(problem, "no_state")
     needy = sorted(inp.lost | inp.draining)
     spares = _assign_spares(inp, needy)
     if isinstance(spares, Disqualified):
@@ -203,8 +237,10 @@ def plan_migration(inp: PlanInput) -> Plan | Disqualified:
         target_version=target,
         members=members,
         ranks={str(r): p for r, p in rank_plans.items()},
-        addresses={str(r): list(st.transfer_addr) for r, st in inp.statuses.items() if r not in inp.lost},
+        addresses={str(r): list(st.transfer_addr) for r, st in reporting.items()},
         cause=inp.cause,
         replaced={str(r): inp.members[r] for r in spares},
         retire=[inp.members[r] for r in sorted(inp.draining)],
+        # Completed steps undone: a survivor's reported version counts only committed steps.
+        steps_lost=max(0, max(st.version for st in reporting.values()) - target),
     )

@@ -73,7 +73,8 @@ from .control import (
 from .data import ReplayableData
 from .manifest import Captured, capture, rebuild
 from .rng import capture_rng, restore_rng, rng_digest
-from .topology import layout_to_dict
+from .topology import Placement, assign_buddies, layout_to_dict
+from .buddy import BuddyKeeper
 from .transfer import ReceivePool, StateServer, TransferError, fetch_state
 
 __all__ = ["Runtime", "current", "CommFailure"]
@@ -202,7 +203,14 @@ class Runtime:
         self._timings = _Timings()
         self._pool: ReceivePool | None = None
         self._gen_cv = threading.Condition()
-        self.server = StateServer(host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host())
+        self._buddy: BuddyKeeper | None = None
+        self._buddy_target: tuple[int, tuple[str, int] | None] | None = None
+        self._push_gate = False
+        self.server = StateServer(
+            host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host(),
+            hold_into=lambda src, manifest: self._holder().hold_into(src, manifest),
+            on_held=lambda src, captured: self._holder().on_held(src, captured),
+        )
         comms.exclude_ports(peer=self.store_port, local=self.server.address[1])
         self._attached = False
         self._register()
@@ -302,7 +310,28 @@ class Runtime:
             opt.register_step_post_hook(self._commit_end)
         assert self.rank is not None
         self._mirror = _Mirror(self.store_host, self.store_port, self.rank)
-        comms.before_collective = self._flush_mirror
+        comms.before_collective = self._before_collective
+        layout = provider.layout()
+        sharded = set(layout.sharded_classes())
+        mode = self.config.redundancy
+        if mode == "buddy" or (mode == "auto" and sharded):
+            push = set(layout.state_classes) if mode == "buddy" else sharded
+            self._buddy = BuddyKeeper(
+                rank=self.rank,
+                classes_to_push=push | {SMALL_CLASS},
+                chunk_bytes=self.config.transfer_chunk_bytes,
+                retries=self.config.transfer_retries,
+                timeout=self.config.rebuild_timeout_s,
+                publish=lambda captured, copy: self.server.publish(captured, copy),
+                withdraw=self.server.withdraw,
+            )
+        elif mode == "replica" and sharded:
+            print(
+                f"[torchpass] rank {self.rank}: redundancy 'replica' leaves state classes {sorted(sharded)} without a "
+                "second copy: losing a rank will stop the job (use 'auto' or 'buddy')",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.role == "spare":
             first = self._join()
         else:
@@ -310,7 +339,6 @@ class Runtime:
             self.step = start_step
             components, classes = provider.state_components()
             captured = capture(components, classes, self.version)
-            layout = provider.layout()
             if layout.world_size != self.world_size:
                 raise ValueError(
                     f"torchpass: the framework's layout spans {layout.world_size} ranks but the job has "
@@ -333,12 +361,26 @@ class Runtime:
                 )
             )
             first = start_step
+            self._publish_rankinfo()
+            self._protect()
         self._attached = True
         self.phase = "train"
         threading.Thread(target=self._monitor_loop, name="torchpass-monitor", daemon=True).start()
         return first
 
     # ---- per-step hooks -------------------------------------------------
+    def _chaos(self, point: str) -> None:
+        chaos = self.config.chaos
+        if (
+            chaos.kill_rank == self.rank
+            and self.role == "active"
+            and os.environ.get("TORCHPASS_STARTED_AS") == "active"
+            and chaos.kill_step == self.step
+            and chaos.kill_point == point
+        ):
+            print(f"[torchpass] chaos: SIGKILL rank {self.rank} at {point} of step {self.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
     def step_begin(self, step: int) -> None:
         self.step = step
         self.in_step = True
@@ -348,6 +390,7 @@ class Runtime:
         if self.data is not None:
             self.data.mark_step(step)
         self._mirror_small("start", self.version, self._step_rng)
+        self._chaos("step_start")
 
     def step_end(self, step: int) -> None:
         if self.committing:
@@ -355,12 +398,19 @@ class Runtime:
             self.committing = False
         self.version = max(self.version, step)
         self.in_step = False
+        if self._buddy is not None and self.version % self.config.buddy_interval_steps == 0:
+            # At the step boundary, not at the optimizer step: the scheduler step and
+            # anything else the step updates after the commit belong to this version.
+            self._buddy.start(self._capture(), self._buddy_address())
         if self._pending_done is not None:
             self._report_done()
 
     def _commit_begin(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
         if self.in_step:
+            self._chaos("commit")
+            if self._buddy is not None and not self.committing:
+                self._buddy.wait_copied()
             self.committing = True
 
     def _commit_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -371,6 +421,7 @@ class Runtime:
         if self._optimizers_done >= self._optimizers_total:
             self.committing = False
             self.version = self.step
+            self._chaos("after_commit")
 
     def _small_state(self, rng: dict[str, Any]) -> dict[str, Any]:
         return {"rng": rng, "data": self.data.snapshot() if self.data is not None else None, "digest": rng_digest(rng)}
@@ -386,11 +437,47 @@ class Runtime:
         and whoever replaces this rank needs its RNG at exactly that version.
         """
         if self.in_step and self._mirror is not None:
+            self._chaos("backward")
             self._mirror_small("backward", self.step, capture_rng(), durable=True)
+            self._push_gate = self._buddy is not None
 
-    def _flush_mirror(self) -> None:
+    def _before_collective(self) -> None:
         assert self._mirror is not None
         self._mirror.flush(self.config.report_timeout_s)
+        if self._push_gate:
+            assert self._buddy is not None
+            self._buddy.wait_pushed()
+            self._push_gate = False
+
+    # ---- buddies --------------------------------------------------------
+    def _publish_rankinfo(self) -> None:
+        assert self.rank is not None
+        info = {"node": self.node, "addr": list(self.server.address), "wid": self.wid, "generation": self.generation}
+        put(self.store, Keys.rankinfo(self.rank), info)
+
+    def _protect(self) -> None:
+        """Snapshot the current state and send its buddy copy (after attaching or a migration)."""
+        if self._buddy is not None:
+            self._buddy.start(self._capture(), self._buddy_address())
+
+    def _holder(self) -> BuddyKeeper:
+        if self._buddy is None:
+            raise TransferError("this rank keeps no buddy copies (redundancy is not 'buddy' here)")
+        return self._buddy
+
+    def _buddy_address(self) -> tuple[str, int] | None:
+        """Where this rank's buddy copy goes in the current generation (None on a one-rank world)."""
+        assert self.rank is not None and self._buddy is not None
+        if self._buddy_target is None or self._buddy_target[0] != self.generation:
+            keys = [Keys.rankinfo(r) for r in range(self.world_size)]
+            self.store.wait(keys, _FOREVER)
+            infos = [json.loads(self.store.get(k)) for k in keys]
+            buddies = assign_buddies(Placement({r: info["node"] for r, info in enumerate(infos)}))
+            mine = buddies[self.rank]
+            target = None if mine == self.rank else tuple(infos[mine]["addr"])
+            self._buddy.forget_holdings_except({r for r, b in buddies.items() if b == self.rank and r != self.rank})
+            self._buddy_target = (self.generation, target)  # type: ignore[assignment]
+        return self._buddy_target[1]
 
     def _mirror_small(self, kind: str, version: int, rng: dict[str, Any], durable: bool = False) -> None:
         record = {"kind": kind, **self._small_state(rng)}
@@ -445,6 +532,8 @@ class Runtime:
                 interrupted_step,
                 list(self.server.address),
                 draining=self.drain_requested,
+                snapshots=self._buddy.snapshot_versions() if self._buddy is not None else [],
+                holds={str(k): v for k, v in self._buddy.held_versions().items()} if self._buddy is not None else {},
             )
             self.server.publish(self._capture())
             put(self.store, Keys.status(self.generation, self.rank), status)
@@ -476,6 +565,7 @@ class Runtime:
             failure = f"rank {self.rank} could not fetch its state: {exc}"
             print(f"[torchpass] {failure}", file=sys.stderr, flush=True)
         self._timings.add("transfer", _now() - t0)
+        self._publish_rankinfo()
         put(self.store, Keys.ready(plan.generation, self.rank), f"failed: {failure}" if failure else "ready")
         go = self._wait_go(plan.generation)
         self._set_generation(plan.generation)
@@ -496,6 +586,7 @@ class Runtime:
         self.version = plan.target_version
         self.step = plan.target_version + 1
         self.clean = True
+        self._protect()
         return True
 
     def _wait_key(self, key: str) -> bytes:
@@ -540,36 +631,56 @@ class Runtime:
         classes = {**classes, "__small__": SMALL_CLASS}
         return capture(components, classes, self.version, meta={"classes": classes})
 
-    def _addresses(self, plan: Plan, ranks: list[int]) -> list[tuple[str, int]]:
-        return [tuple(plan.addresses[str(r)]) for r in ranks]  # type: ignore[misc]
-
-    def _apply_plan(self, plan: Plan, *, joining: bool) -> None:
-        assert self.provider is not None and self.rank is not None
-        rank_plan = plan.rank_plan(self.rank)
+    def _read_copy(self, plan: Plan, sources: tuple[tuple[int, str], ...], classes: set[str]) -> dict[str, Any]:
+        """The components of ``classes`` at the plan's target, from this rank's own snapshot or over the network."""
         target = plan.target_version
-        by_sources: dict[tuple[int, ...], set[str]] = {}
-        for cls, sources in rank_plan.fetch.items():
-            by_sources.setdefault(tuple(sources), set()).add(cls)
-        if rank_plan.small_from.startswith("rank:"):
-            by_sources.setdefault((int(rank_plan.small_from[5:]),), set()).add(SMALL_CLASS)
-        received: dict[str, Any] = {}
-        for sources, classes in by_sources.items():
+        if sources == ((self.rank, "snapshot"),):
+            assert self._buddy is not None
+            snap = self._buddy.snapshot(target)
+            if snap is None:
+                raise TransferError(f"rank {self.rank} has no snapshot of step {target} any more")
+            # Copy out of the snapshot: loading it directly would make live optimizer
+            # state alias snapshot buffers that later snapshots overwrite.
+            manifest = snap.manifest
             mine = self._capture()
+            own = {e.name: t for e, t in zip(mine.manifest.entries, mine.tensors)}
+            tensors = []
+            for entry, saved in zip(snap.manifest.entries, snap.tensors):
+                live = own.get(entry.name)
+                if live is not None and live.dtype == saved.dtype and live.shape == saved.shape:
+                    tensors.append(live.copy_(saved))
+                else:
+                    tensors.append(saved.clone())
+        else:
             manifest, tensors, stats = fetch_state(
-                self._addresses(plan, list(sources)),
+                [(tuple(plan.addresses[str(r)]), copy) for r, copy in sources],  # type: ignore[misc]
                 target,
                 chunk_bytes=self.config.transfer_chunk_bytes,
                 retries=self.config.transfer_retries,
                 timeout=self.config.rebuild_timeout_s,
                 verify_replicas=self.config.verify_replicas,
                 state_classes=classes,
-                into=mine,
+                into=self._capture(),
                 pool=self._pool,
             )
             self._timings.bytes_moved += stats.nbytes
-            component_classes = manifest.meta["classes"]
-            state = rebuild(manifest, tensors)
-            received.update({name: value for name, value in state.items() if component_classes[name] in classes})
+        component_classes = manifest.meta["classes"]
+        state = rebuild(manifest, tensors)
+        return {name: value for name, value in state.items() if component_classes[name] in classes}
+
+    def _apply_plan(self, plan: Plan, *, joining: bool) -> None:
+        assert self.provider is not None and self.rank is not None
+        rank_plan = plan.rank_plan(self.rank)
+        target = plan.target_version
+        by_sources: dict[tuple[tuple[int, str], ...], set[str]] = {}
+        for cls, sources in rank_plan.fetch.items():
+            by_sources.setdefault(tuple((int(r), str(c)) for r, c in sources), set()).add(cls)
+        if "/" in rank_plan.small_from:
+            r, copy = rank_plan.small_from.split("/", 1)
+            by_sources.setdefault(((int(r), copy),), set()).add(SMALL_CLASS)
+        received: dict[str, Any] = {}
+        for sources, classes in by_sources.items():
+            received.update(self._read_copy(plan, sources, classes))
         small = received.pop("__small__", None)
         if received:
             self.provider.load_components(received, joining=joining)
@@ -577,7 +688,7 @@ class Runtime:
             records = get_pickle(self.store, Keys.mirror(self.rank)) or {}
             small = records.get(target)
             if small is None:
-                raise RuntimeError(f"torchpass: rank {self.rank}'s mirror has no record for step {target}")
+                raise TransferError(f"rank {self.rank}'s mirror has no record for step {target}")
         if small is not None:
             # Data first: starting a DataLoader iterator draws from the global torch RNG,
             # which in the original run happened before the step the RNG state was taken at.

@@ -40,9 +40,11 @@ import torch
 from .comms import socket_creation_lock
 from .manifest import Captured, Manifest, fingerprint, tensor_bytes
 
-__all__ = ["Address", "ReceivePool", "StateServer", "TransferError", "TransferStats", "fetch_state"]
+__all__ = ["Address", "ReceivePool", "Source", "StateServer", "TransferError", "TransferStats", "fetch_state", "push_state"]
 
 Address = tuple[str, int]
+Source = tuple[Address, str]
+"""An address and the name of the copy to read there."""
 _FRAME = struct.Struct("!IQII")
 _END = 0xFFFFFFFF
 _SOCKET_BUFFER = 8 << 20
@@ -112,29 +114,111 @@ def _chunks(manifest: Manifest, indices: Iterable[int], chunk_bytes: int) -> lis
     return out
 
 
+def _send_frames(
+    conn: socket.socket,
+    captured: Captured,
+    chunks: Sequence[Chunk],
+    corrupt: Callable[[Chunk, memoryview], bytes | None] | None = None,
+) -> int:
+    """Stream ``chunks`` of ``captured`` with their CRC32s, computed one step ahead on a helper thread."""
+    ready: queue.Queue[tuple[Chunk, memoryview, int] | None] = queue.Queue(maxsize=8)
+
+    def checksum() -> None:
+        for chunk in chunks:
+            index, offset, length = chunk
+            view = tensor_bytes(captured.tensors[index])[offset : offset + length]
+            ready.put((chunk, view, zlib.crc32(view)))
+        ready.put(None)
+
+    threading.Thread(target=checksum, name="torchpass-crc", daemon=True).start()
+    sent = 0
+    while (item := ready.get()) is not None:
+        (index, offset, length), view, crc = item
+        payload = corrupt((index, offset, length), view) if corrupt else None
+        conn.sendall(_FRAME.pack(index, offset, length, crc))
+        conn.sendall(payload if payload is not None else view)
+        sent += length
+    conn.sendall(_FRAME.pack(_END, 0, 0, 0))
+    return sent
+
+
+def _receive_frames(sock: socket.socket, views: list[memoryview], bad: list[Chunk]) -> int:
+    """Receive frames into ``views`` until the end marker, verifying CRCs one step behind on a helper thread."""
+    verify: queue.Queue[tuple[Chunk, int] | None] = queue.Queue()
+
+    def verifier() -> None:
+        while (item := verify.get()) is not None:
+            (index, offset, length), crc = item
+            if zlib.crc32(views[index][offset : offset + length]) != crc:
+                bad.append((index, offset, length))
+
+    checker = threading.Thread(target=verifier, name="torchpass-verify", daemon=True)
+    checker.start()
+    header = bytearray(_FRAME.size)
+    received = 0
+    try:
+        while True:
+            _recv_exact(sock, memoryview(header))
+            index, offset, length, crc = _FRAME.unpack(header)
+            if index == _END:
+                break
+            _recv_exact(sock, views[index][offset : offset + length])
+            verify.put(((index, offset, length), crc))
+            received += length
+    finally:
+        verify.put(None)
+        checker.join()
+    return received
+
+
+HeldCallback = Callable[[int, Captured], None]
+
+
 class StateServer:
-    """Serves the state a rank has published to receivers (spares, lagging ranks, buddies).
+    """Serves the copies of state a rank has published, and receives buddy copies pushed to it.
+
+    Copies are named: ``live`` (the rank's current state), ``snapshot`` (its own
+    consistent copies of earlier versions) and ``held:<rank>`` (a buddy copy of
+    another rank's state). A receiver asks for a copy by name and version.
 
     ``corrupt`` is a chaos hook: it may return altered payload bytes for a chunk
     (``torchpass`` chaos scenarios and the transfer tests use it); the CRC sent
     is always that of the true bytes, so corruption is what the receiver sees.
     """
 
-    def __init__(self, host: str = "127.0.0.1", corrupt: Callable[[Chunk, memoryview], bytes | None] | None = None):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        corrupt: Callable[[Chunk, memoryview], bytes | None] | None = None,
+        on_held: HeldCallback | None = None,
+        hold_into: Callable[[int, Manifest], list[torch.Tensor]] | None = None,
+    ):
         with socket_creation_lock:
             self._listener = socket.create_server((host, 0), backlog=64)
         self.address: Address = (host, self._listener.getsockname()[1])
-        self._captured: Captured | None = None
+        self._copies: dict[tuple[str, int], Captured] = {}
         self._lock = threading.Lock()
         self._corrupt = corrupt
+        self._on_held = on_held
+        self._hold_into = hold_into
         self._closed = False
         self.served_bytes = 0
         threading.Thread(target=self._accept_loop, name="torchpass-state-server", daemon=True).start()
 
-    def publish(self, captured: Captured | None) -> None:
-        """Serve ``captured`` from now on (its tensors must not change while published)."""
+    def publish(self, captured: Captured | None, copy: str = "live") -> None:
+        """Serve ``captured`` as ``copy`` at its version (tensors must not change while published).
+
+        Publishing ``None`` withdraws every version of ``copy``.
+        """
         with self._lock:
-            self._captured = captured
+            for key in [k for k in self._copies if k[0] == copy and (captured is None or copy == "live")]:
+                del self._copies[key]
+            if captured is not None:
+                self._copies[(copy, captured.manifest.version)] = captured
+
+    def withdraw(self, copy: str, version: int) -> None:
+        with self._lock:
+            self._copies.pop((copy, version), None)
 
     def close(self) -> None:
         self._closed = True
@@ -149,13 +233,12 @@ class StateServer:
             _tune(conn)
             threading.Thread(target=self._serve, args=(conn,), name="torchpass-state-conn", daemon=True).start()
 
-    def _current(self, version: int) -> Captured:
+    def _lookup(self, copy: str, version: int) -> Captured:
         with self._lock:
-            captured = self._captured
+            captured = self._copies.get((copy, version))
+            have = sorted(v for c, v in self._copies if c == copy)
         if captured is None:
-            raise TransferError("this rank has no state published")
-        if captured.manifest.version != version:
-            raise TransferError(f"this rank holds version {captured.manifest.version}, not the requested {version}")
+            raise TransferError(f"this rank has no {copy!r} copy at version {version} (it has versions {have})")
         return captured
 
     def _serve(self, conn: socket.socket) -> None:
@@ -164,12 +247,16 @@ class StateServer:
                 try:
                     request = json.loads(_recv_msg(conn))
                 except (ConnectionError, OSError, ValueError):
-                    return  # receiver went away; nothing to clean up beyond the socket
+                    return  # the peer went away; nothing to clean up beyond the socket
                 op = request.get("op")
                 if op == "bye":
                     return
                 try:
-                    captured = self._current(int(request["version"]))
+                    if op == "hold":
+                        # A pusher that dies mid-copy leaves the slot incomplete; it is never installed.
+                        self._receive_hold(conn, int(request["src"]), pickle.loads(_recv_msg(conn)))
+                        continue
+                    captured = self._lookup(request.get("copy", "live"), int(request["version"]))
                     if op == "manifest":
                         _send_msg(conn, b"ok" + pickle.dumps(captured.manifest))
                     elif op == "fingerprint":
@@ -177,30 +264,27 @@ class StateServer:
                         _send_msg(conn, b"ok" + fingerprint(captured, classes).encode())
                     elif op == "chunks":
                         _send_msg(conn, b"ok")
-                        self._stream(conn, captured, [tuple(c) for c in request["chunks"]])
+                        self.served_bytes += _send_frames(conn, captured, [tuple(c) for c in request["chunks"]], self._corrupt)
                     else:
                         _send_msg(conn, b"er" + f"unknown request {op!r}".encode())
                 except TransferError as exc:
                     _send_msg(conn, b"er" + str(exc).encode())
+                except (ConnectionError, OSError):
+                    return  # the peer died mid-request; a half-received copy is dropped
 
-    def _stream(self, conn: socket.socket, captured: Captured, chunks: Sequence[Chunk]) -> None:
-        ready: queue.Queue[tuple[Chunk, memoryview, int] | None] = queue.Queue(maxsize=8)
-
-        def checksum() -> None:
-            for chunk in chunks:
-                index, offset, length = chunk
-                view = tensor_bytes(captured.tensors[index])[offset : offset + length]
-                ready.put((chunk, view, zlib.crc32(view)))
-            ready.put(None)
-
-        threading.Thread(target=checksum, name="torchpass-crc", daemon=True).start()
-        while (item := ready.get()) is not None:
-            (index, offset, length), view, crc = item
-            payload = self._corrupt((index, offset, length), view) if self._corrupt else None
-            conn.sendall(_FRAME.pack(index, offset, length, crc))
-            conn.sendall(payload if payload is not None else view)
-            self.served_bytes += length
-        conn.sendall(_FRAME.pack(_END, 0, 0, 0))
+    def _receive_hold(self, conn: socket.socket, src: int, manifest: Manifest) -> None:
+        if self._hold_into is None or self._on_held is None:
+            raise TransferError("this rank does not hold buddy copies")
+        tensors = self._hold_into(src, manifest)
+        views = [tensor_bytes(t) for t in tensors]
+        _send_msg(conn, b"ok")
+        while True:
+            bad: list[Chunk] = []
+            _receive_frames(conn, views, bad)
+            _send_msg(conn, json.dumps({"bad": bad}).encode())
+            if not bad:
+                break
+        self._on_held(src, Captured(manifest, tensors))
 
 
 class _SourceConnection:
@@ -217,34 +301,10 @@ class _SourceConnection:
             raise TransferError(f"source {self.address[0]}:{self.address[1]}: {reply[2:].decode()}")
         return reply[2:]
 
-    def receive_chunks(self, chunks: list[Chunk], version: int, views: list[memoryview], bad: list[Chunk]) -> int:
+    def receive_chunks(self, copy: str, chunks: list[Chunk], version: int, views: list[memoryview], bad: list[Chunk]) -> int:
         """Stream ``chunks`` into ``views``; appends chunks failing their CRC to ``bad``."""
-        self.request({"op": "chunks", "version": version, "chunks": chunks})
-        verify: queue.Queue[tuple[Chunk, int] | None] = queue.Queue()
-
-        def verifier() -> None:
-            while (item := verify.get()) is not None:
-                (index, offset, length), crc = item
-                if zlib.crc32(views[index][offset : offset + length]) != crc:
-                    bad.append((index, offset, length))
-
-        checker = threading.Thread(target=verifier, name="torchpass-verify", daemon=True)
-        checker.start()
-        header = bytearray(_FRAME.size)
-        received = 0
-        try:
-            while True:
-                _recv_exact(self.sock, memoryview(header))
-                index, offset, length, crc = _FRAME.unpack(header)
-                if index == _END:
-                    break
-                _recv_exact(self.sock, views[index][offset : offset + length])
-                verify.put(((index, offset, length), crc))
-                received += length
-        finally:
-            verify.put(None)
-            checker.join()
-        return received
+        self.request({"op": "chunks", "copy": copy, "version": version, "chunks": chunks})
+        return _receive_frames(self.sock, views, bad)
 
     def close(self) -> None:
         try:
@@ -308,7 +368,7 @@ def _deal(chunks: list[Chunk], n: int) -> list[list[Chunk]]:
 
 
 def fetch_state(
-    sources: Sequence[Address],
+    sources: Sequence[Source],
     version: int,
     *,
     chunk_bytes: int = 4 << 20,
@@ -321,6 +381,9 @@ def fetch_state(
 ) -> tuple[Manifest, list[torch.Tensor], TransferStats]:
     """Fetch the state at ``version`` from ``sources`` (replicas of each other), striped over all of them.
 
+    A source is an address and the name of the copy it serves there (``live``,
+    ``snapshot``, ``held:<rank>``); copies of replicas at one version are bitwise equal.
+
     Only the tensors of ``state_classes`` are fetched (all when None); the others
     come back as empty placeholders the caller fills from elsewhere. Entries that
     match a tensor of ``into`` (the receiver's own capture: same name, dtype and
@@ -332,15 +395,17 @@ def fetch_state(
     if not sources:
         raise TransferError("no source to fetch state from")
     start = time.perf_counter()
-    conns = [_SourceConnection(a, timeout) for a in sources]
+    conns = [_SourceConnection(a, timeout) for a, _ in sources]
+    copies = [copy for _, copy in sources]
     try:
-        manifest: Manifest = pickle.loads(conns[0].request({"op": "manifest", "version": version}))
+        manifest: Manifest = pickle.loads(conns[0].request({"op": "manifest", "copy": copies[0], "version": version}))
         if verify_replicas and len(conns) > 1:
+            classes = sorted(state_classes) if state_classes else None
             prints = {
-                f"{c.address[0]}:{c.address[1]}": c.request(
-                    {"op": "fingerprint", "version": version, "classes": sorted(state_classes) if state_classes else None}
+                f"{c.address[0]}:{c.address[1]}/{copy}": c.request(
+                    {"op": "fingerprint", "copy": copy, "version": version, "classes": classes}
                 ).decode()
-                for c in conns
+                for c, copy in zip(conns, copies)
             }
             if len(set(prints.values())) != 1:
                 raise TransferError(f"replicas disagree on the state at version {version}: fingerprints {prints}")
@@ -348,7 +413,7 @@ def fetch_state(
         tensors = _destinations(manifest, into, pool)
         views = [tensor_bytes(t) for t in tensors]
         pending = _chunks(manifest, wanted, chunk_bytes)
-        stats = TransferStats(chunks=len(pending), sources=[f"{a[0]}:{a[1]}" for a in sources])
+        stats = TransferStats(chunks=len(pending), sources=[f"{a[0]}:{a[1]}/{copy}" for a, copy in sources])
         for attempt in range(retries + 1):
             bad: list[Chunk] = []
             errors: list[BaseException] = []
@@ -356,7 +421,7 @@ def fetch_state(
 
             def run(i: int, work: list[Chunk]) -> None:
                 try:
-                    received[i] = conns[i].receive_chunks(work, version, views, bad)
+                    received[i] = conns[i].receive_chunks(copies[i], work, version, views, bad)
                 except BaseException as exc:  # surfaced below with the source's address
                     errors.append(TransferError(f"source {conns[i].address}: {exc}"))
 
@@ -387,3 +452,28 @@ def fetch_state(
     finally:
         for c in conns:
             c.close()
+
+
+def push_state(address: Address, src: int, captured: Captured, *, chunk_bytes: int, retries: int, timeout: float) -> int:
+    """Send ``captured`` (a buddy copy of rank ``src``) to the rank holding it; returns bytes sent.
+
+    The holder verifies every chunk and asks again for the ones that fail, up to
+    ``retries`` rounds; it installs the copy only once every chunk is verified.
+    """
+    conn = _SourceConnection(address, timeout)
+    try:
+        _send_msg(conn.sock, json.dumps({"op": "hold", "src": src, "version": captured.manifest.version}).encode())
+        _send_msg(conn.sock, pickle.dumps(captured.manifest))
+        reply = _recv_msg(conn.sock)
+        if reply[:2] != b"ok":
+            raise TransferError(f"holder {address[0]}:{address[1]}: {reply[2:].decode()}")
+        pending = _chunks(captured.manifest, range(len(captured.manifest.entries)), chunk_bytes)
+        sent = 0
+        for _ in range(retries + 1):
+            sent += _send_frames(conn.sock, captured, pending)
+            pending = [tuple(c) for c in json.loads(_recv_msg(conn.sock))["bad"]]
+            if not pending:
+                return sent
+        raise TransferError(f"buddy copy of rank {src}: {len(pending)} chunk(s) still corrupt after {retries} resends")
+    finally:
+        conn.close()

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import torchpass
+from torchpass.core.manifest import state_digest
 
 
 def main() -> None:
@@ -60,7 +61,7 @@ def main() -> None:
                 time.sleep(args.step_sleep)
 
     if args.out:
-        digest = torchpass.core.manifest.state_digest({"model": model.state_dict(), "optimizer": opt.state_dict()})
+        digest = state_digest({"model": model.state_dict(), "optimizer": opt.state_dict()})
         gathered = [None] * world
         dist.all_gather_object(gathered, {"rank": rank, "losses": losses, "digest": digest, "pid": os.getpid()})
         if rank == 0:

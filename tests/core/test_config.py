@@ -90,7 +90,7 @@ def test_unknown_key_names_it_suggests_the_close_match_and_lists_valid_keys():
     message = error_for({"heartbeat_timout_s": 3})
     assert "unknown key heartbeat_timout_s" in message
     assert "did you mean 'heartbeat_timeout_s'" in message
-    assert "Valid keys:" in message
+    assert "valid keys:" in message
     for name in ("enabled", "spares_per_node", "redundancy", "telemetry", "transfer_chunk_bytes"):
         assert name in message
 
@@ -99,7 +99,7 @@ def test_unknown_key_without_close_match_has_no_suggestion():
     message = error_for({"zzzz": 1})
     assert "unknown key zzzz" in message
     assert "did you mean" not in message
-    assert "Valid keys:" in message
+    assert "valid keys:" in message
 
 
 def test_error_message_starts_with_the_source():

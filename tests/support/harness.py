@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchpass.core.inject import inject as inject_fault
+
 REPO = Path(__file__).resolve().parents[2]
 JOBS = Path(__file__).resolve().parent
 
@@ -79,9 +81,7 @@ class JobRun:
     def inject(self, fault: str, *, rank: int | None = None, worker: str | None = None) -> None:
         # The function behind `torchpass inject`, called in-process: a CLI subprocess
         # would land the fault a second later than the step the test chose.
-        from torchpass.core.inject import inject
-
-        inject(self.run_dir, fault, rank=rank, wid=worker)
+        inject_fault(self.run_dir, fault, rank=rank, wid=worker)
 
     def wait(self, timeout: float = 240.0) -> int:
         deadline = time.time() + timeout

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -29,6 +30,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--workdir", required=True)
     p.add_argument("--step-sleep", type=float, default=0.05)
+    p.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer: sharded optimizer state (buddy copies)")
     args = p.parse_args()
     work = Path(args.workdir)
     (work / "progress").mkdir(parents=True, exist_ok=True)
@@ -45,7 +47,10 @@ def main() -> None:
     loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, world, rank, shuffle=True, seed=3))
     net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1))
     model = DistributedDataParallel(net)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    if args.zero:
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3, weight_decay=0.01)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 4))
     progress = work / "progress" / f"rank{rank}"
     curve = open(work / "losses" / f"rank{rank}.jsonl", "a", buffering=1)
@@ -63,7 +68,8 @@ def main() -> None:
             sched.step()
             opt.zero_grad()
             time.sleep(args.step_sleep)
-    digest = state_digest({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()})
+    local_opt = opt.optim if args.zero else opt
+    digest = state_digest({"model": model.state_dict(), "optimizer": local_opt.state_dict(), "scheduler": sched.state_dict()})
     (work / "out" / f"rank{rank}.json").write_text(json.dumps({"digest": digest, "pid": os.getpid()}))
     dist.destroy_process_group()
 

@@ -1,0 +1,209 @@
+"""Buddy redundancy: consistent in-memory copies of the state parallelism does not replicate.
+
+Sharded state (ZeRO optimizer partitions, FSDP shards, Megatron's distributed
+optimizer) exists on exactly one rank; a data-parallel replica cannot give it
+back. Every ``buddy_interval_steps`` committed steps each rank therefore keeps
+
+* a *snapshot*: a copy of its whole state at that version, double-buffered in
+  its own memory (so survivors can roll back to a version a lost rank's copy
+  exists at), and
+* on its *buddy* (a rank on the next node, see ``topology.assign_buddies``), a
+  copy of the part nobody else has (the sharded classes and its small state),
+  double-buffered there too.
+
+Protocol, per rank, after the commit of step k (k a multiple of the interval);
+everything runs on one background thread, off the critical path:
+
+1. copy the live state into the spare snapshot slot; the slot becomes version k;
+2. push the sharded part of that snapshot to the buddy, which installs it in
+   its spare held slot once every chunk's checksum is verified.
+
+The only waits on the training thread, normally zero because the work overlaps
+the next step's forward and backward:
+
+* before the commit of step k+1, the copy of version k is complete (the live
+  state is about to change);
+* before the rank's first collective after its backward of step k+1 began, the
+  push of version k is acknowledged: survivors can complete step k+1 only once
+  this rank's version-k copy is safe on its buddy.
+
+Hence after any failure every survivor holds its state at its live version and
+at its newest complete snapshot, and every lost rank's sharded state exists on
+its buddy at k or k-1: the planner finds a common version at most one interval
+back, and the ledger records the steps rolled back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .manifest import Captured, capture, rebuild
+from .transfer import Address, TransferError, push_state
+
+__all__ = ["BuddyKeeper"]
+
+
+def _layout_key(captured: Captured) -> tuple[Any, ...]:
+    return tuple((e.name, e.dtype, e.shape) for e in captured.manifest.entries)
+
+
+def _copy_into(captured: Captured, buffers: list[torch.Tensor] | None) -> Captured:
+    if buffers is None or len(buffers) != len(captured.tensors):
+        buffers = [torch.empty_like(t) for t in captured.tensors]
+    for dst, src in zip(buffers, captured.tensors):
+        dst.copy_(src)
+    return Captured(captured.manifest, buffers)
+
+
+class BuddyKeeper:
+    """One rank's snapshots, buddy pushes, and the buddy copies it holds for others."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        classes_to_push: set[str],
+        chunk_bytes: int,
+        retries: int,
+        timeout: float,
+        publish: Callable[[Captured, str], None],
+        withdraw: Callable[[str, int], None],
+    ):
+        self.rank = rank
+        self.classes_to_push = classes_to_push
+        self._chunk_bytes = chunk_bytes
+        self._retries = retries
+        self._timeout = timeout
+        self._publish = publish
+        self._withdraw = withdraw
+        self._cv = threading.Condition()
+        self._snapshots: dict[int, Captured] = {}
+        self._held: dict[int, dict[int, Captured]] = {}
+        self._todo: tuple[Captured, Address | None] | None = None
+        self._copied = -1
+        self._pushed = -1
+        self._requested = -1
+        self._push_target: int = -1
+        self.error: BaseException | None = None
+        self.bytes_pushed = 0
+        threading.Thread(target=self._work, name="torchpass-buddy", daemon=True).start()
+
+    # ---- the training thread's side ---------------------------------------------
+    def start(self, live: Captured, buddy: Address | None) -> None:
+        """Snapshot ``live`` (at its version) and push its sharded part to ``buddy`` (None: no buddy)."""
+        with self._cv:
+            self._todo = (live, buddy)
+            self._requested = live.manifest.version
+            self._push_target = live.manifest.version if buddy is not None else self._pushed
+            self._cv.notify_all()
+
+    def wait_copied(self) -> None:
+        """Gate before a commit: the snapshot of the previous version no longer reads live memory."""
+        self._wait(lambda: self._copied >= self._requested, "copying the snapshot")
+
+    def wait_pushed(self) -> None:
+        """Gate before a gradient collective: the previous version's buddy copy is acknowledged."""
+        self._wait(lambda: self._pushed >= self._push_target, "pushing the buddy copy")
+
+    def _wait(self, done: Callable[[], bool], what: str) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: done() or self.error is not None, self._timeout):
+                raise TimeoutError(f"torchpass: {what} took over {self._timeout:.0f} s")
+            if self.error is not None:
+                raise RuntimeError(f"torchpass: {what} failed: {self.error}") from self.error
+
+    # ---- background -------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._todo is not None)
+                assert self._todo is not None
+                live, buddy = self._todo
+                self._todo = None
+                version = live.manifest.version
+                reuse = None
+                if len(self._snapshots) >= 2:
+                    # Keep the newest complete snapshot intact while the next one is written.
+                    oldest = min(self._snapshots)
+                    old = self._snapshots.pop(oldest)
+                    self._withdraw("snapshot", oldest)
+                    if _layout_key(old) == _layout_key(live):
+                        reuse = old.tensors
+            try:
+                snap = _copy_into(live, reuse)
+                with self._cv:
+                    self._snapshots[version] = snap
+                    self._copied = version
+                    self._cv.notify_all()
+                self._publish(snap, "snapshot")
+                if buddy is not None:
+                    self.bytes_pushed += push_state(
+                        buddy,
+                        self.rank,
+                        self._sharded_part(snap),
+                        chunk_bytes=self._chunk_bytes,
+                        retries=self._retries,
+                        timeout=self._timeout,
+                    )
+            except (TransferError, OSError) as exc:
+                # The buddy is gone (it failed, or is being replaced): the migration
+                # that follows re-pairs buddies; until then this version is unprotected.
+                print(f"[torchpass] rank {self.rank}: buddy copy of step {version} not delivered: {exc}", flush=True)
+            except BaseException as exc:  # surfaced on the training thread by the next gate
+                with self._cv:
+                    self.error = exc
+                    self._cv.notify_all()
+                return
+            with self._cv:
+                self._pushed = max(self._pushed, version)
+                self._cv.notify_all()
+
+    def _sharded_part(self, snap: Captured) -> Captured:
+        classes = snap.manifest.meta["classes"]
+        components = rebuild(snap.manifest, snap.tensors)
+        keep = {name: value for name, value in components.items() if classes[name] in self.classes_to_push}
+        return capture(keep, {n: classes[n] for n in keep}, snap.manifest.version, meta={"classes": {n: classes[n] for n in keep}})
+
+    # ---- recovery ---------------------------------------------------------------
+    def snapshot_versions(self) -> list[int]:
+        with self._cv:
+            return sorted(v for v in self._snapshots if v <= self._copied)
+
+    def snapshot(self, version: int) -> Captured | None:
+        with self._cv:
+            return self._snapshots.get(version) if version <= self._copied else None
+
+    def held_versions(self) -> dict[int, list[int]]:
+        with self._cv:
+            return {src: sorted(copies) for src, copies in self._held.items()}
+
+    # ---- the holder's side (called by the state server) --------------------------
+    def hold_into(self, src: int, manifest: Any) -> list[torch.Tensor]:
+        """Buffers for an incoming copy of ``src``: the older slot's when the layout matches."""
+        with self._cv:
+            slots = self._held.setdefault(src, {})
+            if len(slots) >= 2:
+                oldest = min(slots)
+                old = slots.pop(oldest)
+                self._withdraw(f"held:{src}", oldest)
+                if tuple((e.name, e.dtype, e.shape) for e in old.manifest.entries) == tuple(
+                    (e.name, e.dtype, e.shape) for e in manifest.entries
+                ):
+                    return old.tensors
+        return [torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in manifest.entries]
+
+    def on_held(self, src: int, captured: Captured) -> None:
+        with self._cv:
+            self._held.setdefault(src, {})[captured.manifest.version] = captured
+        self._publish(captured, f"held:{src}")
+
+    def forget_holdings_except(self, sources: set[int]) -> None:
+        """Drop copies of ranks this rank no longer holds for (buddies were re-paired)."""
+        with self._cv:
+            for src in [s for s in self._held if s not in sources]:
+                for version in self._held.pop(src):
+                    self._withdraw(f"held:{src}", version)

@@ -1,0 +1,301 @@
+"""RebuildableProcessGroup in local mode (a spare's set-up), and the backend rewrite, in one process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllreduceOptions, ReduceOp, ReduceScatterOptions
+
+from torchpass.core import comms
+from torchpass.core.comms import RebuildableProcessGroup
+
+RANK, SIZE = 1, 4
+
+
+@pytest.fixture
+def group() -> RebuildableProcessGroup:
+    g = RebuildableProcessGroup(RANK, SIZE, "unit", list(range(SIZE)), timedelta(seconds=5))
+    g.go_local()
+    return g
+
+
+def allreduce_opts(op) -> AllreduceOptions:
+    opts = AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+def test_identity_in_local_mode(group):
+    assert group.is_local
+    assert group.rank() == RANK and group.size() == SIZE
+    assert group.group_name == "unit" and group.getGroupName() == "unit"
+    assert group.global_ranks == [0, 1, 2, 3]
+    assert group.getBackendName() == comms.BACKEND_NAME  # never live: not gloo yet
+    assert "local" in repr(group)
+    assert group in comms.groups()
+
+
+def test_groups_are_listed_in_creation_order(group):
+    later = RebuildableProcessGroup(0, 2, "later", [0, 1], timedelta(seconds=5))
+    listed = comms.groups()
+    assert listed.index(group) < listed.index(later)
+    assert later.creation_index > group.creation_index
+
+
+def test_allreduce_sum_multiplies_by_size(group):
+    t = torch.tensor([1.0, -2.0])
+    work = group.allreduce([t])  # default op: SUM
+    assert work.wait()
+    assert t.tolist() == [4.0, -8.0]
+    group.allreduce([t], allreduce_opts(ReduceOp.SUM)).wait()
+    assert t.tolist() == [16.0, -32.0]
+    n = torch.tensor([3], dtype=torch.int64)
+    group.allreduce([n], ReduceOp.SUM).wait()  # a bare ReduceOp, as some callers pass it
+    assert n.item() == 12
+
+
+@pytest.mark.parametrize("op", [ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG])
+def test_allreduce_of_identical_values_is_unchanged_for_idempotent_ops(group, op):
+    t = torch.tensor([1.5, -2.0])
+    group.allreduce([t], allreduce_opts(op)).wait()
+    assert t.tolist() == [1.5, -2.0]
+
+
+def test_allreduce_sum_of_bools_is_an_or(group):
+    t = torch.tensor([True, False])
+    group.allreduce([t]).wait()
+    assert t.tolist() == [True, False]
+
+
+def test_allreduce_product_raises_to_the_power_of_size(group):
+    t = torch.tensor([2.0])
+    group.allreduce([t], allreduce_opts(ReduceOp.PRODUCT)).wait()
+    assert t.item() == 2.0**SIZE
+
+
+def test_allreduce_coalesced_and_reduce(group):
+    a, b = torch.ones(2), torch.full((3,), 2.0)
+    group.allreduce_coalesced([a, b]).wait()
+    assert a.tolist() == [4.0, 4.0] and b.tolist() == [8.0] * 3
+    c = torch.ones(1)
+    group.reduce([c]).wait()
+    assert c.item() == 4.0
+
+
+def test_allgather_replicates_the_input(group):
+    outputs = [[torch.zeros(2) for _ in range(SIZE)]]
+    group.allgather(outputs, [torch.tensor([3.0, 4.0])]).wait()
+    assert [o.tolist() for o in outputs[0]] == [[3.0, 4.0]] * SIZE
+
+
+def test_allgather_coalesced_gathers_each_input_into_its_slot(group):
+    inputs = [torch.tensor([1.0]), torch.tensor([2.0, 3.0])]
+    outputs = [[torch.zeros(1), torch.zeros(2)] for _ in range(SIZE)]
+    group.allgather_coalesced(outputs, inputs).wait()
+    assert [[o.tolist() for o in outs] for outs in outputs] == [[[1.0], [2.0, 3.0]]] * SIZE
+
+
+def test_all_gather_into_one_tensor_replicates_the_input(group):
+    out = torch.zeros(SIZE * 2)
+    group.all_gather_single(out, torch.tensor([5.0, 6.0])).wait()
+    assert out.tolist() == [5.0, 6.0] * SIZE
+    out2 = torch.zeros(SIZE, 3)
+    group._allgather_base(out2, torch.arange(3.0)).wait()
+    assert out2.tolist() == [[0.0, 1.0, 2.0]] * SIZE
+    outs = [torch.zeros(SIZE), torch.zeros(2 * SIZE)]
+    group.allgather_into_tensor_coalesced(outs, [torch.ones(1), torch.tensor([1.0, 2.0])]).wait()
+    assert outs[0].tolist() == [1.0] * SIZE and outs[1].tolist() == [1.0, 2.0] * SIZE
+
+
+def test_reduce_scatter_picks_this_ranks_chunk_times_size(group):
+    outputs = [torch.zeros(2)]
+    inputs = [[torch.full((2,), float(i)) for i in range(SIZE)]]
+    group.reduce_scatter(outputs, inputs).wait()
+    assert outputs[0].tolist() == [RANK * SIZE] * 2
+
+
+def test_reduce_scatter_into_one_tensor(group):
+    out = torch.zeros(2)
+    group.reduce_scatter_single(out, torch.arange(2.0 * SIZE)).wait()
+    assert out.tolist() == [2.0 * SIZE, 3.0 * SIZE]  # chunk RANK is [2, 3]
+    out = torch.zeros(2)
+    opts = ReduceScatterOptions()
+    opts.reduceOp = ReduceOp.MAX
+    group._reduce_scatter_base(out, torch.arange(2.0 * SIZE), opts).wait()
+    assert out.tolist() == [2.0, 3.0]
+
+
+def test_broadcast_leaves_the_tensor_unchanged(group):
+    t = torch.tensor([7.0, 8.0])
+    group.broadcast([t]).wait()
+    assert t.tolist() == [7.0, 8.0]
+
+
+def test_scripted_broadcasts_are_delivered_in_order_then_exhausted(group):
+    group.script_broadcasts([torch.tensor([1.0, 1.0]), torch.tensor([[2.0], [3.0]])])
+    t = torch.zeros(2)
+    group.broadcast([t]).wait()
+    assert t.tolist() == [1.0, 1.0]
+    group.broadcast([t]).wait()
+    assert t.tolist() == [2.0, 3.0]  # reshaped to the receiving tensor
+    t.fill_(9.0)
+    group.broadcast([t]).wait()
+    assert t.tolist() == [9.0, 9.0]
+
+
+def test_alltoall_in_local_mode(group):
+    uneven = torch.ones(3)
+    group.all_to_all_single(uneven, torch.arange(4.0), [1, 1, 1, 0], [1, 1, 1, 1]).wait()
+    assert uneven.tolist() == [0.0, 0.0, 0.0]  # no sensible local answer: deterministic zeros
+    outs = [torch.zeros(1) for _ in range(SIZE)]
+    group.alltoall(outs, [torch.full((1,), float(i)) for i in range(SIZE)]).wait()
+    assert [o.item() for o in outs] == [float(RANK)] * SIZE
+
+
+def test_alltoall_base_even_split_receives_this_ranks_chunk_from_every_peer(group):
+    out = torch.zeros(2 * SIZE)
+    group.alltoall_base(out, torch.arange(2.0 * SIZE), [], []).wait()
+    assert out.tolist() == [2.0, 3.0] * SIZE
+
+
+def test_gather_and_scatter(group):
+    outs = [[torch.zeros(1) for _ in range(SIZE)]]
+    group.gather(outs, [torch.tensor([4.0])]).wait()
+    assert [o.item() for o in outs[0]] == [4.0] * SIZE
+    out = [torch.zeros(1)]
+    group.scatter(out, [[torch.full((1,), float(i)) for i in range(SIZE)]]).wait()
+    assert out[0].item() == float(RANK)
+
+
+def test_barrier_send_recv_complete_at_once(group):
+    t = torch.tensor([1.0])
+    for work in (group.barrier(), group.send([t], 0), group.recv([t], 2), group.recv_anysource([t])):
+        assert work.is_completed()
+        assert work.wait()
+    assert t.item() == 1.0
+    group.monitored_barrier()  # a no-op in local mode
+    group._start_coalescing(torch.device("cpu"))
+    assert group._end_coalescing(torch.device("cpu")).wait()
+
+
+def test_returned_work_has_a_completed_future(group):
+    t = torch.ones(2)
+    work = group.allreduce([t])
+    future = work.get_future()
+    assert future.done()
+    assert torch.equal(future.value()[0], t)
+
+
+def test_release_of_a_local_group_is_a_no_op(group):
+    assert group.release() == 0
+    group.go_local()  # idempotent
+    assert group.is_local
+
+
+def test_groups_created_under_the_local_default_start_local():
+    """What a spare's ``new_group`` calls build while it runs the script's set-up (no store needed)."""
+    from types import SimpleNamespace
+
+    opts = SimpleNamespace(group_rank=2, group_size=4, group_id="spare_pg", global_ranks_in_group=[], timeout=30.0, store=None)
+    comms.set_local_mode_default(True)
+    try:
+        created = comms._create(opts, None)
+    finally:
+        comms.set_local_mode_default(False)
+    assert created.is_local
+    assert created.global_ranks == [0, 1, 2, 3]
+    assert created._op_timeout == timedelta(seconds=30)
+    t = torch.ones(1)
+    created.allreduce([t]).wait()
+    assert t.item() == 4.0
+
+
+# ---- backend rewrite ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["gloo", "GLOO", "cpu:gloo", dist.Backend.GLOO, "torchpass"])
+def test_rewrite_maps_gloo_to_torchpass(backend):
+    assert comms._rewrite_backend(backend) == comms.BACKEND_NAME
+
+
+def test_rewrite_passes_none_and_undefined_through():
+    assert comms._rewrite_backend(None) is None
+    assert comms._rewrite_backend("undefined") == "undefined"
+
+
+@pytest.mark.parametrize("backend", ["nccl", "cuda:nccl", "cpu:gloo,cuda:nccl", "mpi"])
+def test_rewrite_rejects_backends_it_cannot_rebuild(backend):
+    with pytest.raises(RuntimeError) as info:
+        comms._rewrite_backend(backend)
+    message = str(info.value)
+    assert f"backend {backend!r} cannot be rebuilt" in message
+    assert "supports 'gloo' (CPU)" in message
+
+
+# ---- install(), in a fresh interpreter (it patches c10d for the whole process) ---------------
+
+_INSTALL_PROBE = textwrap.dedent(
+    """
+    import json, sys, tempfile
+    import torch, torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torchpass.core import comms
+
+    out = {}
+    comms.install()
+    helper = c10d._new_process_group_helper
+    comms.install()  # a second call must change nothing
+    out["helper_unchanged"] = c10d._new_process_group_helper is helper
+    out["cpu_backend"] = dist.Backend.default_device_backend_map["cpu"]
+    out["registered"] = "torchpass" in dist.Backend.backend_list
+    path = tempfile.mktemp()
+    dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
+    world = dist.group.WORLD
+    out["world_type"] = type(world).__name__
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    out["allreduce"] = t.tolist()
+    sub = dist.new_group([0])
+    out["new_group_type"] = type(sub).__name__
+    out["group_names"] = [g.group_name for g in comms.groups()]
+    import torch.testing._internal.distributed.fake_pg  # registers the "fake" backend, as torchtitan does
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("world",))
+    try:  # what torchtitan's ParallelDims.build_mesh does for a size-1 dimension
+        mesh._unflatten(0, (1, 1), ("pp", "dp"), backend_override={"pp": "fake"})
+        out["unflatten"] = "ok"
+    except Exception as exc:
+        out["unflatten"] = f"{type(exc).__name__}: {exc}"
+    dist.destroy_process_group()
+    print("RESULT" + json.dumps(out))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def installed() -> dict:
+    proc = subprocess.run([sys.executable, "-c", _INSTALL_PROBE], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT"))
+    return json.loads(line[len("RESULT") :])
+
+
+def test_install_is_idempotent_and_routes_gloo_groups(installed):
+    assert installed["helper_unchanged"]
+    assert installed["cpu_backend"] == "torchpass"
+    assert installed["registered"]
+    assert installed["world_type"] == "RebuildableProcessGroup"
+    assert installed["new_group_type"] == "RebuildableProcessGroup"
+    assert installed["allreduce"] == [1.0, 1.0]
+    assert len(installed["group_names"]) == 2
+
+
+def test_install_leaves_fake_groups_alone(installed):
+    assert installed["unflatten"] == "ok"

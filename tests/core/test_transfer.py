@@ -1,0 +1,323 @@
+"""State transfer over loopback sockets, in one process: servers and receivers on threads."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from torchpass.core.manifest import capture, fingerprint, rebuild, state_digest, tensor_bytes
+from torchpass.core.transfer import ReceivePool, StateServer, TransferError, fetch_state
+
+CHUNK = 16 << 10
+CLASSES = {"model": "params", "optimizer": "optimizer"}
+
+
+def make_state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": OrderedDict(
+            [
+                ("w", torch.randn(200, 100, generator=g)),  # 80000 bytes: several chunks
+                ("b", torch.randn(100, generator=g).to(torch.bfloat16)),
+                ("scale", torch.tensor(3.0)),
+                ("empty", torch.empty(0)),
+            ]
+        ),
+        "optimizer": {"state": {0: {"exp_avg": torch.randn(200, 100, generator=g), "step": torch.tensor(5.0)}}, "lr": 0.1},
+        "extra": {"counter": 7},
+    }
+
+
+def total_bytes(captured, classes=None) -> int:
+    return sum(e.nbytes for e in captured.manifest.entries if classes is None or e.state_class in classes)
+
+
+@pytest.fixture
+def servers():
+    made: list[StateServer] = []
+
+    def make(**kw) -> StateServer:
+        server = StateServer(**kw)
+        made.append(server)
+        return server
+
+    yield make
+    for server in made:
+        server.close()
+
+
+def serve(make, state: dict, version: int = 5, **kw) -> tuple[StateServer, object]:
+    server = make(**kw)
+    captured = capture(state, CLASSES, version=version)
+    server.publish(captured)
+    return server, captured
+
+
+def src(server: StateServer, copy: str = "live"):
+    return (server.address, copy)
+
+
+def fetch(sources, version: int = 5, **kw):
+    kw.setdefault("chunk_bytes", CHUNK)
+    kw.setdefault("timeout", 20.0)
+    return fetch_state([src(s) for s in sources], version, **kw)
+
+
+def assert_bitwise_equal(tensors, captured) -> None:
+    assert len(tensors) == len(captured.tensors)
+    for got, want in zip(tensors, captured.tensors):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert bytes(tensor_bytes(got)) == bytes(tensor_bytes(want))
+
+
+def served(*servers: StateServer, expected: int | None = None) -> int:
+    """Bytes the servers sent. A server counts a stream once its last frame is out,
+    which can be just after the receiver returned, so wait briefly for it to settle."""
+    deadline = time.time() + 5
+    total = sum(s.served_bytes for s in servers)
+    while time.time() < deadline:
+        time.sleep(0.05)
+        now = sum(s.served_bytes for s in servers)
+        if now == total and (expected is None or now >= expected):
+            break
+        total = now
+    return sum(s.served_bytes for s in servers)
+
+
+# ---- full fetch ----------------------------------------------------------------------------
+
+
+def test_full_fetch_is_bitwise_equal(servers):
+    state = make_state()
+    server, captured = serve(servers, state)
+    manifest, tensors, stats = fetch([server])
+    assert manifest.entries == captured.manifest.entries
+    assert manifest.version == 5
+    assert_bitwise_equal(tensors, captured)
+    assert state_digest(rebuild(manifest, tensors)) == state_digest(state)
+    assert stats.nbytes == total_bytes(captured)
+    assert stats.chunks > 4 and stats.resent_chunks == 0
+    assert stats.sources == [f"{server.address[0]}:{server.address[1]}/live"]
+    assert served(server) == total_bytes(captured)
+
+
+def test_fetch_striped_over_two_replicas(servers):
+    a, captured = serve(servers, make_state())
+    b, _ = serve(servers, make_state())  # an identical replica in separate memory
+    manifest, tensors, stats = fetch([a, b], verify_replicas=True)
+    assert_bitwise_equal(tensors, captured)
+    assert len(stats.sources) == 2
+    assert served(a, b, expected=stats.nbytes) == total_bytes(captured) == stats.nbytes
+    assert a.served_bytes > 0 and b.served_bytes > 0
+
+
+def test_state_classes_filter_fetches_only_those_tensors(servers):
+    server, captured = serve(servers, make_state())
+    manifest, tensors, stats = fetch([server], state_classes={"optimizer"})
+    assert len(tensors) == len(manifest.entries)  # placeholders for the rest
+    assert stats.nbytes == total_bytes(captured, {"optimizer"}) == served(server)
+    for entry, got, want in zip(manifest.entries, tensors, captured.tensors):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if entry.state_class == "optimizer":
+            assert bytes(tensor_bytes(got)) == bytes(tensor_bytes(want))
+
+
+def test_into_receives_in_place(servers):
+    server, captured = serve(servers, make_state(seed=1))
+    mine = capture(make_state(seed=2), CLASSES, version=4)  # same names and shapes, other values
+    manifest, tensors, _ = fetch([server], into=mine)
+    assert all(got is own for got, own in zip(tensors, mine.tensors))
+    assert_bitwise_equal(mine.tensors, captured)
+
+
+def test_into_only_reuses_matching_entries(servers):
+    server, captured = serve(servers, make_state())
+    other = make_state(seed=3)
+    other["model"]["w"] = torch.zeros(10)  # a different shape: cannot receive in place
+    mine = capture(other, CLASSES, version=4)
+    _, tensors, _ = fetch([server], into=mine)
+    names = [e.name for e in captured.manifest.entries]
+    assert tensors[names.index("model/w")] is not mine.tensors[names.index("model/w")]
+    assert tensors[names.index("model/b")] is mine.tensors[names.index("model/b")]
+    assert_bitwise_equal(tensors, captured)
+
+
+def test_fetch_of_a_state_without_tensors(servers):
+    server = servers()
+    server.publish(capture({"extra": {"n": 1}}, {}, version=2))
+    manifest, tensors, stats = fetch([server], version=2)
+    assert tensors == [] and stats.nbytes == 0
+    assert rebuild(manifest, tensors) == {"extra": {"n": 1}}
+
+
+# ---- receive pool -----------------------------------------------------------------------------
+
+
+def test_receive_pool_hands_out_aligned_views_then_falls_back():
+    pool = ReceivePool(1000)
+    base = pool._storage.data_ptr()
+    a = pool.take(torch.float32, (3,))
+    b = pool.take(torch.bfloat16, (5, 2))
+    c = pool.take(torch.int64, ())
+    for t in (a, b, c):
+        assert t.data_ptr() % 64 == 0
+        assert base <= t.data_ptr() < base + 1000
+    assert b.shape == (5, 2) and b.dtype == torch.bfloat16 and c.shape == ()
+    assert b.data_ptr() - a.data_ptr() == 64
+    big = pool.take(torch.float32, (1000,))  # past the end: ordinary memory
+    assert not base <= big.data_ptr() < base + 1000
+    assert big.shape == (1000,)
+    d = pool.take(torch.uint8, (16,))  # smaller requests still fit after a fallback
+    assert base <= d.data_ptr() < base + 1000
+
+
+def test_receive_pool_views_do_not_overlap():
+    pool = ReceivePool(4096)
+    a = pool.take(torch.float32, (10,))
+    b = pool.take(torch.float32, (10,))
+    a.fill_(1.0)
+    b.fill_(2.0)
+    assert a.tolist() == [1.0] * 10 and b.tolist() == [2.0] * 10
+
+
+def test_fetch_into_a_pool(servers):
+    server, captured = serve(servers, make_state())
+    pool = ReceivePool(total_bytes(captured) + 64 * len(captured.tensors))
+    base = pool._storage.data_ptr()
+    _, tensors, _ = fetch([server], pool=pool)
+    assert_bitwise_equal(tensors, captured)
+    assert all(base <= t.data_ptr() < base + pool.nbytes for t in tensors if t.numel())  # empty: no data pointer
+
+
+def test_fetch_with_an_exhausted_pool_falls_back(servers):
+    server, captured = serve(servers, make_state())
+    _, tensors, _ = fetch([server], pool=ReceivePool(1024))
+    assert_bitwise_equal(tensors, captured)
+
+
+# ---- corruption ---------------------------------------------------------------------------------
+
+
+def flip_first_byte(view: memoryview) -> bytes:
+    data = bytearray(view)
+    data[0] ^= 0xFF
+    return bytes(data)
+
+
+def test_corrupted_chunk_is_detected_and_resent(servers):
+    hits: list[tuple] = []
+
+    def corrupt(chunk, view):
+        if chunk[1] == 0 and len(hits) < 2 and chunk not in hits:  # the first chunk of two tensors, once each
+            hits.append(chunk)
+            return flip_first_byte(view)
+        return None
+
+    server, captured = serve(servers, make_state(), corrupt=corrupt)
+    _, tensors, stats = fetch([server])
+    assert len(hits) == 2
+    assert stats.resent_chunks == 2
+    assert stats.nbytes == total_bytes(captured) + sum(c[2] for c in hits)
+    assert_bitwise_equal(tensors, captured)
+
+
+def test_corruption_on_one_of_two_replicas_is_resent(servers):
+    once: list = []
+
+    def corrupt(chunk, view):
+        if not once:
+            once.append(chunk)
+            return flip_first_byte(view)
+        return None
+
+    a, captured = serve(servers, make_state(), corrupt=corrupt)
+    b, _ = serve(servers, make_state())
+    _, tensors, stats = fetch([a, b])
+    assert stats.resent_chunks == 1
+    assert_bitwise_equal(tensors, captured)
+
+
+def test_persistent_corruption_fails_naming_the_tensor(servers):
+    server = servers(corrupt=lambda chunk, view: flip_first_byte(view) if chunk[0] == 4 else None)
+    captured = capture(make_state(), CLASSES, version=5)
+    server.publish(captured)
+    name = captured.manifest.entries[4].name
+    with pytest.raises(TransferError) as info:
+        fetch([server], retries=2)
+    message = str(info.value)
+    assert f"tensor {name!r}" in message
+    assert "after 2 resend round(s)" in message
+
+
+def test_zero_retries_fails_on_the_first_bad_chunk(servers):
+    server, _ = serve(servers, make_state(), corrupt=lambda chunk, view: flip_first_byte(view) if chunk == (0, 0, CHUNK) else None)
+    with pytest.raises(TransferError, match=r"1 chunk\(s\) still failed their checksum after 0 resend round\(s\); first: tensor 'model/w' at byte 0"):
+        fetch([server], retries=0)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+
+def test_version_mismatch(servers):
+    server, _ = serve(servers, make_state(), version=5)
+    with pytest.raises(TransferError) as info:
+        fetch([server], version=6)
+    message = str(info.value)
+    assert f"{server.address[0]}:{server.address[1]}" in message
+    assert "version 6" in message and "5" in message
+
+
+def test_nothing_published(servers):
+    server = servers()
+    with pytest.raises(TransferError, match="no 'live' copy at version 5"):
+        fetch([server])
+    server.publish(capture(make_state(), CLASSES, version=5))
+    server.publish(None)  # withdrawn again
+    with pytest.raises(TransferError, match="no 'live' copy"):
+        fetch([server])
+
+
+def test_publishing_a_new_live_version_replaces_the_old_one(servers):
+    server, _ = serve(servers, make_state(), version=5)
+    newer = capture(make_state(seed=9), CLASSES, version=6)
+    server.publish(newer)
+    _, tensors, _ = fetch([server], version=6)
+    assert_bitwise_equal(tensors, newer)
+    with pytest.raises(TransferError):
+        fetch([server], version=5)
+
+
+def test_no_sources():
+    with pytest.raises(TransferError, match="no source"):
+        fetch_state([], 5)
+
+
+def test_unreachable_source_is_an_error():
+    import socket
+
+    with socket.socket() as bound:  # bound, never listening: connections are refused
+        bound.bind(("127.0.0.1", 0))
+        with pytest.raises(ConnectionRefusedError):
+            fetch_state([(bound.getsockname(), "live")], 5, timeout=5.0)
+
+
+def test_verify_replicas_detects_disagreeing_replicas(servers):
+    good, _ = serve(servers, make_state())
+    diverged_state = make_state()
+    diverged_state["optimizer"]["state"][0]["exp_avg"][7, 7] += 1e-3
+    bad, _ = serve(servers, diverged_state)
+    with pytest.raises(TransferError, match="replicas disagree on the state at version 5"):
+        fetch([good, bad], verify_replicas=True)
+    # restricted to the classes that agree, the check passes
+    _, _, stats = fetch([good, bad], verify_replicas=True, state_classes={"params"})
+    assert stats.nbytes == total_bytes(capture(make_state(), CLASSES, 5), {"params"})
+
+
+def test_fingerprints_served_match_the_local_ones(servers):
+    server, captured = serve(servers, make_state())
+    twin, _ = serve(servers, make_state())
+    fetch([server, twin], verify_replicas=True)  # agrees
+    assert fingerprint(captured) == fingerprint(capture(make_state(), CLASSES, version=5))
