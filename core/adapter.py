@@ -12,7 +12,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 from .topology import Layout
 
-__all__ = ["StateProvider", "SMALL_CLASS"]
+__all__ = ["StateProvider", "SmallStateProvider", "SMALL_CLASS"]
 
 SMALL_CLASS = "small"
 """The state class of per-rank small state (RNG streams, data position), which the runtime adds itself."""
@@ -48,4 +48,21 @@ class StateProvider(Protocol):
         Called on every surviving rank before it reports, so the rank's state is
         exactly the state at its last version.
         """
+        ...
+
+
+class SmallStateProvider(StateProvider, Protocol):
+    """Optional: per-rank small state beyond the global RNG streams and the data position.
+
+    Megatron's model-parallel RNG tracker is the example: a few KB that differ
+    across tensor-parallel ranks. The runtime mirrors it with the rest of the
+    rank's small state (at step start and when the backward begins), keeps it in
+    snapshots and buddy copies, and hands it back to whoever takes the rank over.
+    Tensors in it must be CPU tensors; it is pickled.
+    """
+
+    def small_state(self) -> Any:
+        ...
+
+    def load_small_state(self, state: Any) -> None:
         ...

@@ -45,6 +45,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from . import ddp as ddp_support
 from . import runtime
 from .data import ReplayableData
+from .loop import Step, steps
 from .topology import Layout, StateClass, ddp_layout
 
 __all__ = ["Run", "Step", "watch_backward"]
@@ -96,43 +97,6 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-class Step:
-    """One training step; use as a context manager around the step's body."""
-
-    def __init__(self, run: "Run", number: int):
-        self.run = run
-        self.number = number
-        self.resume_at: int | None = None
-        self.done = False
-        """True once the body completed; False after a migration interrupted it (it runs again)."""
-
-    def batch(self) -> Any:
-        """The next batch of this step (the same ones again if the step is re-executed)."""
-        if self.run.data is None:
-            raise RuntimeError("torchpass.Run was created without data=; pass the DataLoader to replay batches")
-        return self.run.data.next_batch()
-
-    def __enter__(self) -> "Step":
-        rt = runtime.current()
-        if rt is not None:
-            rt.step_begin(self.number)
-        return self
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        rt = runtime.current()
-        if rt is None:
-            self.done = exc is None
-            return False
-        if exc is None:
-            rt.step_end(self.number)
-            self.done = True
-            return False
-        if not isinstance(exc, Exception) or not rt.is_comm_failure(exc):
-            return False
-        self.resume_at = rt.recover(f"step {self.number}: {type(exc).__name__}: {str(exc)[:300]}")
-        return True
-
-
 class Run:
     """The state and data of a plain PyTorch training job (a :class:`~torchpass.core.adapter.StateProvider`)."""
 
@@ -163,17 +127,7 @@ class Run:
     # ---- the loop ---------------------------------------------------------
     def steps(self, num_steps: int, start: int = 1) -> Iterator[Step]:
         """Yield steps ``start..num_steps``; after a migration, the step to execute next."""
-        rt = runtime.current()
-        number = rt.attach(self, self.data, start, self.optimizers) if rt is not None else start
-        while number <= num_steps:
-            if rt is not None and rt.ending.is_set():
-                number = rt.recover(f"generation ended before step {number}: {rt.ending_reason}")
-                continue
-            step = Step(self, number)
-            yield step
-            number = step.resume_at if step.resume_at is not None else number + 1
-        if rt is not None:
-            rt.finish()
+        return steps(self, data=self.data, optimizers=self.optimizers, start=start, stop=num_steps)
 
     # ---- StateProvider ------------------------------------------------------
     def layout(self) -> Layout:

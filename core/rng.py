@@ -47,4 +47,6 @@ def rng_digest(state: dict[str, Any]) -> str:
     h.update(state["torch"].numpy().tobytes())
     for t in state.get("cuda", []):
         h.update(t.numpy().tobytes())
+    if "provider" in state:
+        h.update(pickle.dumps(state["provider"]))
     return h.hexdigest()[:32]

@@ -405,25 +405,35 @@ class Runtime:
         if self._pending_done is not None:
             self._report_done()
 
-    def _commit_begin(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        del optimizer, args, kwargs
-        if self.in_step:
+    def commit_started(self) -> None:
+        """The step's persistent state is about to change (called by optimizer hooks, or by an adapter)."""
+        if self.in_step and not self.committing:
             self._chaos("commit")
-            if self._buddy is not None and not self.committing:
+            if self._buddy is not None:
                 self._buddy.wait_copied()
             self.committing = True
 
-    def _commit_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        del optimizer, args, kwargs
-        if not self.in_step:
-            return
-        self._optimizers_done += 1
-        if self._optimizers_done >= self._optimizers_total:
+    def commit_finished(self) -> None:
+        """The step's state update is complete: the rank now holds version ``step``."""
+        if self.in_step:
             self.committing = False
             self.version = self.step
             self._chaos("after_commit")
 
+    def _commit_begin(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        del optimizer, args, kwargs
+        self.commit_started()
+
+    def _commit_end(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        del optimizer, args, kwargs
+        if self.in_step:
+            self._optimizers_done += 1
+            if self._optimizers_done >= self._optimizers_total:
+                self.commit_finished()
+
     def _small_state(self, rng: dict[str, Any]) -> dict[str, Any]:
+        extra = self.provider.small_state() if self.provider is not None and hasattr(self.provider, "small_state") else None
+        rng = {**rng, "provider": extra} if extra is not None else rng
         return {"rng": rng, "data": self.data.snapshot() if self.data is not None else None, "digest": rng_digest(rng)}
 
     def backward_started(self) -> None:
@@ -698,6 +708,8 @@ class Runtime:
                 else:
                     self.data.seek(small["data"]["position"])
             restore_rng(small["rng"])
+            if "provider" in small["rng"]:
+                self.provider.load_small_state(small["rng"]["provider"])  # type: ignore[attr-defined]
         self.version = target
 
     # ---- joining --------------------------------------------------------
