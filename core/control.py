@@ -19,7 +19,7 @@ key                         written by           read by
 ``g/<g>/go``                controller           members ("go" or "abort: ...")
 ``g/<g>/done/<rank>``       members              controller (timings after resuming)
 ``assign/<wid>``            controller           a spare (its rank, or an order to exit)
-``mirror/<rank>``           each rank            planner (RNG/data position per version)
+``mirror/<rank>/<slot>``    each rank            planner (RNG/data position, one slot per version)
 ``rankinfo/<rank>``         each rank            ranks pairing buddies (node, transfer address)
 ``node/<n>/mail/...``       controller           agent n (fence a worker)
 ``shutdown``                controller           agents, spares
@@ -113,8 +113,8 @@ class Keys:
         return f"{PREFIX}rankinfo/{rank}"
 
     @staticmethod
-    def mirror(rank: int) -> str:
-        return f"{PREFIX}mirror/{rank}"
+    def mirror(rank: int, slot: int) -> str:
+        return f"{PREFIX}mirror/{rank}/{slot}"
 
     @staticmethod
     def node_mail(node: int) -> str:
@@ -284,3 +284,17 @@ def get_pickle(store: dist.Store, key: str) -> Any | None:
     if not store.check([key]):
         return None
     return pickle.loads(store.get(key))
+
+
+MIRROR_SLOTS = 3
+"""Small-state records kept per rank in the store: one per version, for the last three versions."""
+
+
+def read_mirror(store: dist.Store, rank: int) -> dict[int, dict[str, Any]]:
+    """A rank's mirrored small-state records by version (the newest ``MIRROR_SLOTS`` versions)."""
+    out = {}
+    for slot in range(MIRROR_SLOTS):
+        record = get_pickle(store, Keys.mirror(rank, slot))
+        if record is not None:
+            out[record["version"]] = record
+    return out

@@ -43,7 +43,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .config import TorchPassConfig, config_from_mapping
-from .control import Heartbeat, Keys, Mailbox, Plan, Report, Status, WorkerRecord, get, get_pickle, put, try_get
+from .control import Heartbeat, Keys, Mailbox, Plan, Report, Status, WorkerRecord, get_pickle, put, read_mirror, try_get
+from .rng import rng_digest
 from .ledger import DISQUALIFYING, QUALIFYING, JobEvent, Ledger, MigrationEvent
 from .planner import Disqualified, MirrorInfo, PlanInput, SpareInfo, plan_migration
 from .topology import Layout, layout_from_dict
@@ -383,9 +384,9 @@ class Controller:
     def _mirrors(self, ranks: set[int]) -> dict[int, MirrorInfo]:
         out = {}
         for r in ranks:
-            records = get_pickle(self.store, Keys.mirror(r))
+            records = read_mirror(self.store, r)
             if records:
-                out[r] = MirrorInfo({v: rec["digest"] for v, rec in records.items()})
+                out[r] = MirrorInfo({v: rng_digest(rec["rng"]) for v, rec in records.items()})
         return out
 
     def _plan(self, m: _Migration, statuses: dict[int, Status]) -> None:
@@ -529,7 +530,7 @@ class Controller:
         timings = {"detect": m.t_detect - m.t_fault}
         if m.t_plan:
             timings["report_and_plan"] = m.t_plan - m.t_detect
-        for key in ("spare_setup", "transfer", "rebuild"):
+        for key in ("spare_setup", "transfer", "fetch", "rebuild"):
             values = [d[key] for d in done.values() if key in d]
             if values:
                 timings[key] = max(values)

@@ -27,7 +27,17 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["TensorEntry", "Manifest", "Captured", "capture", "rebuild", "fingerprint", "state_digest", "tensor_bytes"]
+__all__ = [
+    "TensorEntry",
+    "Manifest",
+    "Captured",
+    "capture",
+    "rebuild",
+    "fingerprint",
+    "state_digest",
+    "tensor_bytes",
+    "tensor_crcs",
+]
 
 
 @dataclass(frozen=True)
@@ -148,18 +158,24 @@ def rebuild(manifest: Manifest, tensors: list[torch.Tensor]) -> dict[str, Any]:
     return walk(pickle.loads(manifest.skeleton))
 
 
-def fingerprint(captured: Captured, state_classes: set[str] | None = None) -> str:
+def tensor_crcs(captured: Captured) -> list[int]:
+    """CRC32 of every tensor (``zlib`` releases the GIL, ~3 GB/s here)."""
+    return [zlib.crc32(tensor_bytes(t)) for t in captured.tensors]
+
+
+def fingerprint(captured: Captured, state_classes: set[str] | None = None, crcs: list[int] | None = None) -> str:
     """A digest of the tensors (optionally only some state classes) and their names, dtypes and shapes.
 
-    Per-tensor CRC32s (``zlib`` releases the GIL, ~3 GB/s here) combined with the
-    entry metadata; equal fingerprints mean bitwise-equal state.
+    Per-tensor CRC32s combined with the entry metadata; equal fingerprints mean
+    bitwise-equal state. Pass ``crcs`` (from :func:`tensor_crcs`) to reuse them.
     """
+    crcs = crcs if crcs is not None else tensor_crcs(captured)
     h = hashlib.sha256()
-    for entry, t in zip(captured.manifest.entries, captured.tensors):
+    for entry, crc in zip(captured.manifest.entries, crcs):
         if state_classes is not None and entry.state_class not in state_classes:
             continue
         h.update(f"{entry.name}|{entry.dtype}|{entry.shape}|".encode())
-        h.update(zlib.crc32(tensor_bytes(t)).to_bytes(4, "little"))
+        h.update(crc.to_bytes(4, "little"))
     return h.hexdigest()
 
 

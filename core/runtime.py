@@ -66,13 +66,14 @@ from .control import (
     WorkerRecord,
     connect,
     get,
-    get_pickle,
+    MIRROR_SLOTS,
     put,
     put_pickle,
+    read_mirror,
 )
 from .data import ReplayableData
 from .manifest import Captured, capture, rebuild
-from .rng import capture_rng, restore_rng, rng_digest
+from .rng import capture_rng, restore_rng
 from .topology import Placement, assign_buddies, layout_to_dict
 from .buddy import BuddyKeeper
 from .transfer import ReceivePool, StateServer, TransferError, fetch_state
@@ -111,30 +112,32 @@ def _now() -> float:
 
 
 class _Mirror(threading.Thread):
-    """Writes the latest small-state records to the store off the training thread.
+    """Writes small-state records to the store off the training thread, one key per version slot.
 
+    A version's step-start record is written after its end-of-backward record and
+    replaces it (same slot), so the exact record wins whenever it exists.
     ``submit(..., durable=True)`` marks a record that must be in the store before
-    the rank's next collective (see ``Runtime.backward_started``); ``flush``
-    waits for it, usually without blocking because the write overlapped with
-    backward compute.
+    the rank's next collective (see ``Runtime.backward_started``); ``flush`` waits
+    for it, usually without blocking because the write overlapped backward compute.
     """
 
     def __init__(self, host: str, port: int, rank: int):
         super().__init__(name="torchpass-mirror", daemon=True)
         self._store = connect(host, port)
-        self._key = Keys.mirror(rank)
+        self._rank = rank
         self._cv = threading.Condition()
-        self._latest: dict[int, dict[str, Any]] | None = None
+        self._pending: dict[int, tuple[int, dict[str, Any]]] = {}
         self._submitted = 0
         self._written = 0
         self._durable = 0
         self.error: BaseException | None = None
         self.start()
 
-    def submit(self, records: dict[int, dict[str, Any]], durable: bool = False) -> None:
+    def submit(self, version: int, record: dict[str, Any], durable: bool = False) -> None:
         with self._cv:
-            self._latest = records
             self._submitted += 1
+            # A newer record for the same slot supersedes an unwritten older one.
+            self._pending[version % MIRROR_SLOTS] = (self._submitted, {**record, "version": version})
             if durable:
                 self._durable = self._submitted
             self._cv.notify_all()
@@ -152,17 +155,19 @@ class _Mirror(threading.Thread):
     def run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._submitted > self._written)
-                records, target = self._latest, self._submitted
+                self._cv.wait_for(lambda: bool(self._pending))
+                batch = sorted(self._pending.items(), key=lambda item: item[1][0])
+                self._pending.clear()
             try:
-                put_pickle(self._store, self._key, records)
+                for slot, (_, record) in batch:
+                    put_pickle(self._store, Keys.mirror(self._rank, slot), record)
             except BaseException as exc:  # surfaced to the training thread by flush()
                 with self._cv:
                     self.error = exc
                     self._cv.notify_all()
                 return
             with self._cv:
-                self._written = target
+                self._written = max(self._written, batch[-1][1][0])
                 self._cv.notify_all()
 
 
@@ -196,7 +201,6 @@ class Runtime:
         self._optimizers_total = 0
         self._optimizers_done = 0
         self._step_rng: dict[str, Any] | None = None
-        self._mirror_records: dict[int, dict[str, Any]] = {}
         self._mirror: _Mirror | None = None
         self._plan: Plan | None = None
         self._pending_done: dict[str, Any] | None = None
@@ -434,7 +438,7 @@ class Runtime:
     def _small_state(self, rng: dict[str, Any]) -> dict[str, Any]:
         extra = self.provider.small_state() if self.provider is not None and hasattr(self.provider, "small_state") else None
         rng = {**rng, "provider": extra} if extra is not None else rng
-        return {"rng": rng, "data": self.data.snapshot() if self.data is not None else None, "digest": rng_digest(rng)}
+        return {"rng": rng, "data": self.data.snapshot() if self.data is not None else None}
 
     def backward_started(self) -> None:
         """A backward pass of this step began: the step's RNG draws and batches are final.
@@ -490,15 +494,8 @@ class Runtime:
         return self._buddy_target[1]
 
     def _mirror_small(self, kind: str, version: int, rng: dict[str, Any], durable: bool = False) -> None:
-        record = {"kind": kind, **self._small_state(rng)}
-        previous = self._mirror_records.get(version)
-        if previous is not None and previous["kind"] == "start" and kind != "start":
-            return  # the exact step-start record wins over the end-of-backward one
-        self._mirror_records[version] = record
-        for v in sorted(self._mirror_records)[:-2]:
-            del self._mirror_records[v]
         assert self._mirror is not None
-        self._mirror.submit(dict(self._mirror_records), durable=durable)
+        self._mirror.submit(version, {"kind": kind, **self._small_state(rng)}, durable=durable)
 
     # ---- failure classification -----------------------------------------
     def is_comm_failure(self, exc: BaseException) -> bool:
@@ -674,6 +671,7 @@ class Runtime:
                 pool=self._pool,
             )
             self._timings.bytes_moved += stats.nbytes
+            self._timings.add("fetch", stats.seconds)
         component_classes = manifest.meta["classes"]
         state = rebuild(manifest, tensors)
         return {name: value for name, value in state.items() if component_classes[name] in classes}
@@ -695,8 +693,7 @@ class Runtime:
         if received:
             self.provider.load_components(received, joining=joining)
         if rank_plan.small_from == "mirror":
-            records = get_pickle(self.store, Keys.mirror(self.rank)) or {}
-            small = records.get(target)
+            small = read_mirror(self.store, self.rank).get(target)
             if small is None:
                 raise TransferError(f"rank {self.rank}'s mirror has no record for step {target}")
         if small is not None:

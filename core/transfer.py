@@ -22,6 +22,7 @@ the GIL, so the stages overlap on separate cores.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import math
 import mmap
@@ -38,7 +39,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .comms import socket_creation_lock
-from .manifest import Captured, Manifest, fingerprint, tensor_bytes
+from .manifest import Captured, Manifest, fingerprint, tensor_bytes, tensor_crcs
 
 __all__ = ["Address", "ReceivePool", "Source", "StateServer", "TransferError", "TransferStats", "fetch_state", "push_state"]
 
@@ -197,6 +198,8 @@ class StateServer:
             self._listener = socket.create_server((host, 0), backlog=64)
         self.address: Address = (host, self._listener.getsockname()[1])
         self._copies: dict[tuple[str, int], Captured] = {}
+        self._crcs: dict[tuple[str, int], concurrent.futures.Future[list[int]]] = {}
+        self._hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchpass-fingerprint")
         self._lock = threading.Lock()
         self._corrupt = corrupt
         self._on_held = on_held
@@ -213,12 +216,26 @@ class StateServer:
         with self._lock:
             for key in [k for k in self._copies if k[0] == copy and (captured is None or copy == "live")]:
                 del self._copies[key]
+                self._crcs.pop(key, None)
             if captured is not None:
-                self._copies[(copy, captured.manifest.version)] = captured
+                key = (copy, captured.manifest.version)
+                self._copies[key] = captured
+                if copy == "live":
+                    # Survivors publish while they wait for the plan: hash then, so a
+                    # receiver checking replicas against each other does not wait for it.
+                    self._crcs[key] = self._hasher.submit(tensor_crcs, captured)
 
     def withdraw(self, copy: str, version: int) -> None:
         with self._lock:
             self._copies.pop((copy, version), None)
+            self._crcs.pop((copy, version), None)
+
+    def _fingerprint(self, copy: str, version: int, captured: Captured, classes: set[str] | None) -> str:
+        with self._lock:
+            future = self._crcs.get((copy, version))
+            if future is None:
+                future = self._crcs[(copy, version)] = self._hasher.submit(tensor_crcs, captured)
+        return fingerprint(captured, classes, future.result())
 
     def close(self) -> None:
         self._closed = True
@@ -261,7 +278,8 @@ class StateServer:
                         _send_msg(conn, b"ok" + pickle.dumps(captured.manifest))
                     elif op == "fingerprint":
                         classes = set(request["classes"]) if request.get("classes") is not None else None
-                        _send_msg(conn, b"ok" + fingerprint(captured, classes).encode())
+                        digest = self._fingerprint(request.get("copy", "live"), int(request["version"]), captured, classes)
+                        _send_msg(conn, b"ok" + digest.encode())
                     elif op == "chunks":
                         _send_msg(conn, b"ok")
                         self.served_bytes += _send_frames(conn, captured, [tuple(c) for c in request["chunks"]], self._corrupt)
@@ -401,12 +419,12 @@ def fetch_state(
         manifest: Manifest = pickle.loads(conns[0].request({"op": "manifest", "copy": copies[0], "version": version}))
         if verify_replicas and len(conns) > 1:
             classes = sorted(state_classes) if state_classes else None
-            prints = {
-                f"{c.address[0]}:{c.address[1]}/{copy}": c.request(
-                    {"op": "fingerprint", "copy": copy, "version": version, "classes": classes}
-                ).decode()
-                for c, copy in zip(conns, copies)
-            }
+            with concurrent.futures.ThreadPoolExecutor(len(conns)) as pool_:
+                answers = pool_.map(
+                    lambda cc: cc[0].request({"op": "fingerprint", "copy": cc[1], "version": version, "classes": classes}),
+                    zip(conns, copies),
+                )
+                prints = {f"{c.address[0]}:{c.address[1]}/{copy}": a.decode() for (c, copy), a in zip(zip(conns, copies), answers)}
             if len(set(prints.values())) != 1:
                 raise TransferError(f"replicas disagree on the state at version {version}: fingerprints {prints}")
         wanted = [i for i, e in enumerate(manifest.entries) if state_classes is None or e.state_class in state_classes]
