@@ -179,14 +179,14 @@ class Run:
         for name, obj in self.extra.items():
             if f"extra/{name}" in components:
                 obj.load_state_dict(components[f"extra/{name}"])
-        if joining and "ddp" in components:
+        if "ddp" in components:
             for d, layout in zip(self._ddps, components["ddp"]):
                 ddp_support.adopt_layout(d, layout)
-                ddp_support.reset_after_abort(d)
 
     def discard_step(self) -> None:
         self.model.zero_grad(set_to_none=True)
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=True)
+        rt = runtime.current()
         for d in self._ddps:
-            ddp_support.reset_after_abort(d)
+            ddp_support.settle_after_abort(d, rt.version if rt is not None else 0)

@@ -25,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     who.add_argument("--rank", type=int, help="the active worker holding this rank")
     who.add_argument("--worker", help="a worker id from `torchpass status` (e.g. a spare)")
     inj.add_argument("--fault", required=True, choices=("kill", "hang", "term", "node"))
+    mig = sub.add_parser("migrate", help="ask for a planned migration of a rank (it hands its state to a spare and leaves)")
+    mig.add_argument("--run-dir", required=True)
+    mig.add_argument("--rank", type=int, required=True)
     demo = sub.add_parser("demo", help="a live migration end to end, checked bitwise against a fault-free run")
     demo.add_argument("--run-dir", default="torchpass_demo")
     demo.add_argument("--fault", default="kill", choices=("kill", "hang", "term"))
@@ -51,6 +54,11 @@ def main(argv: list[str] | None = None) -> None:
 
         pids = inject(args.run_dir, args.fault, rank=args.rank, wid=args.worker)
         print(f"sent {args.fault} to pid(s) {', '.join(map(str, pids))}")
+    elif args.command == "migrate":
+        from .inject import request_migration
+
+        request_migration(args.run_dir, args.rank)
+        print(f"asked the controller to migrate rank {args.rank}")
     elif args.command == "demo":
         from .demo import run_demo
 

@@ -63,11 +63,12 @@ class TelemetryConfig:
 
 
 CHAOS_POINTS = ("step_start", "backward", "commit", "after_commit")
+CHAOS_ACTIONS = ("kill", "stall")
 
 
 @dataclass
 class ChaosConfig:
-    """A deterministic fault: SIGKILL one rank at a precise point of the step protocol.
+    """A deterministic fault at a precise point of the step protocol, on one rank.
 
     ``torchpass inject`` lands faults at wall-clock moments; this lands them at a
     protocol point (inside the optimizer step, say), to test the hardest cases on
@@ -75,11 +76,15 @@ class ChaosConfig:
     never in the spare that replaces it.
     """
 
+    action: str = field(default="kill", metadata={"choices": CHAOS_ACTIONS})
+    """``kill``: SIGKILL the process. ``stall``: its training thread stops forever while its heartbeat
+    thread goes on, as a rank wedged in a kernel or a deadlock would; only the hang timeout catches it."""
+
     kill_rank: int = field(default=-1, metadata={"check": (lambda v: v >= -1, "an integer >= -1 (-1: off)")})
-    """The global rank to kill; -1 turns chaos off (the default)."""
+    """The global rank to hit; -1 turns chaos off (the default)."""
 
     kill_step: int = field(default=0, metadata={"check": (_non_negative, "an integer >= 0")})
-    """The step during which to kill it."""
+    """The step during which to hit it."""
 
     kill_point: str = field(default="commit", metadata={"choices": CHAOS_POINTS})
     """``step_start``, ``backward`` (the backward pass began), ``commit`` (inside the optimizer step, before

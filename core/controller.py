@@ -187,6 +187,9 @@ class Controller:
     def _on_attached(self, report: Report) -> None:
         assert report.rank is not None
         self.attached.add(report.rank)
+        if len(self.attached) == self.spec.world_size:
+            # Progress is measured from the first step, not from process start-up.
+            self._last_progress = (0, time.time())
         detail = report.detail
         if report.rank == 0 and self.layout is None:
             self.layout = layout_from_dict(detail["layout"])

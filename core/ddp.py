@@ -1,23 +1,29 @@
-"""Keeping torch DDP's gradient buckets identical on survivors and on a joining spare.
+"""Keeping torch DDP's gradient buckets identical on every rank across migrations.
 
-DDP's reducer allreduces gradients bucket by bucket. After the first iteration
-it *rebuilds* its buckets in gradient-ready order and adopts rank 0's layout
-through two broadcasts (``Reducer::sync_bucket_indices``). Every rank must use
-the same layout: different buckets mean different collective sizes (a hang or
-an error) and different reduction orders (different bits). A spare's DDP is
-fresh, so it holds the construction-time layout while the survivors hold the
-rebuilt one. The fix uses DDP's own mechanisms:
+DDP's reducer allreduces gradients bucket by bucket. It rebuilds its buckets
+once, in the forward of its second iteration, from the gradient-ready order
+its first backward recorded, and adopts rank 0's layout through two
+broadcasts (``Reducer::sync_bucket_indices``). Every rank must use the same
+layout: different buckets mean different collective sizes (a hang or an error)
+and different reduction orders (different bits). A migration can land anywhere
+in that sequence, a broadcast of it included, and a spare's reducer is fresh.
 
-* the layout is part of the replicated state: the source reports whether it has
-  rebuilt and its per-bucket parameter indices (DDP logs both);
-* the spare, still in local mode, calls ``_push_all_rebuilt_params`` and
-  ``_rebuild_buckets``; the two broadcasts of ``sync_bucket_indices`` are
-  answered locally with the source's layout, exactly what rank 0 would have
-  sent, so the reducer initializes the survivors' buckets;
-* every rank, survivors included, then calls ``_reset_state``: it clears what
-  the aborted backward left behind (pending buckets, expected hooks) and marks
-  the buckets for one more rebuild, which all ranks now perform together, in the
-  same iteration, from the same ready order, reproducing the same layout.
+The invariant torchpass keeps: when training resumes, every rank's reducer is
+in the state the fault-free run's reducers have at the start of the step about
+to execute. Before any step completed (version 0) that is a fresh reducer:
+construction-time buckets, nothing recorded. Afterwards it is the rebuilt
+layout, marked rebuilt so DDP never rebuilds again.
+
+* Survivors (``settle_after_abort``): complete a rebuild the interrupted step
+  was about to do, from the order the first backward recorded; clear the
+  aborted iteration with ``_reset_state``; then re-mark the layout as rebuilt.
+* Ranks that fetch state (spares, lagging survivors; ``adopt_layout``): take
+  the layout of the rank they copy from, which reports it as replicated state.
+
+Both replay DDP's own rebuild (``_push_all_rebuilt_params`` then
+``_rebuild_buckets``) with the group in local mode, its two broadcasts answered
+with the layout: exactly what rank 0 would have sent. Local mode is free here:
+the group's transport is being replaced by the migration anyway.
 
 ``static_graph=True`` changes the first iteration's reduction on a fresh
 reducer, which a joining spare cannot reproduce in step with the survivors; it
@@ -33,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .comms import RebuildableProcessGroup
 
-__all__ = ["find_ddp", "check_supported", "bucket_layout", "adopt_layout", "reset_after_abort"]
+__all__ = ["find_ddp", "check_supported", "bucket_layout", "adopt_layout", "reset_after_abort", "settle_after_abort"]
 
 
 def find_ddp(module: torch.nn.Module) -> list[DistributedDataParallel]:
@@ -54,40 +60,91 @@ def check_supported(ddp: DistributedDataParallel) -> None:
         )
 
 
+_LAYOUT_ATTR = "_torchpass_bucket_layout"
+_DEFAULT_SAMPLE_RATE = 100
+"""DDP's runtime-logging sample rate (kDDPRuntimeLoggingSampleRate in reducer.hpp)."""
+
+
+def _logged_layout(ddp: DistributedDataParallel) -> list[list[int]] | None:
+    data = ddp._get_ddp_logging_data()
+    if not data.get("has_rebuilt_buckets", 0):
+        return None
+    text = str(data.get("rebuilt_per_bucket_param_indices", ""))
+    return [[int(i) for i in part.split()] for part in text.split(",") if part.strip()]
+
+
+def _current_layout(ddp: DistributedDataParallel) -> list[list[int]]:
+    """The rebuilt layout of a reducer that has rebuilt (DDP logs it one forward late; make it log now)."""
+    known = getattr(ddp, _LAYOUT_ATTR, None) or _logged_layout(ddp)
+    if known is not None:
+        return known
+    ddp.reducer._set_ddp_runtime_logging_sample_rate(1)
+    try:
+        ddp.logger.set_runtime_stats_and_log()
+    finally:
+        ddp.reducer._set_ddp_runtime_logging_sample_rate(_DEFAULT_SAMPLE_RATE)
+    logged = _logged_layout(ddp)
+    if logged is None:
+        raise RuntimeError("torchpass: DDP rebuilt its buckets but did not report the layout")
+    return logged
+
+
 def bucket_layout(ddp: DistributedDataParallel) -> dict[str, Any]:
     """Whether the reducer has rebuilt its buckets, and the per-bucket parameter indices if so."""
-    data = ddp._get_ddp_logging_data()
-    rebuilt = bool(data.get("has_rebuilt_buckets", 0))
-    buckets: list[list[int]] = []
-    if rebuilt:
-        text = str(data.get("rebuilt_per_bucket_param_indices", ""))
-        buckets = [[int(i) for i in part.split()] for part in text.split(",") if part.strip()]
-    return {"rebuilt": rebuilt, "buckets": buckets}
+    if not ddp._has_rebuilt_buckets and getattr(ddp, _LAYOUT_ATTR, None) is None:
+        return {"rebuilt": False, "buckets": []}
+    return {"rebuilt": True, "buckets": _current_layout(ddp)}
+
+
+def _local_group(ddp: DistributedDataParallel) -> RebuildableProcessGroup:
+    group = ddp.process_group
+    if not isinstance(group, RebuildableProcessGroup):
+        raise RuntimeError(f"torchpass: DDP's process group is a {type(group).__name__}, not rebuildable")
+    group.go_local()
+    return group
+
+
+def _replay_rebuild(ddp: DistributedDataParallel, group: RebuildableProcessGroup, buckets: list[list[int]]) -> None:
+    flat = [i for b in buckets for i in b]
+    if sorted(flat) != list(range(len(flat))):
+        raise RuntimeError(f"torchpass: DDP bucket layout is not a permutation of the parameters: {buckets}")
+    group.script_broadcasts(
+        [torch.tensor(flat + [len(buckets)], dtype=torch.int32), torch.tensor([len(b) for b in buckets], dtype=torch.int32)]
+    )
+    ddp.reducer._push_all_rebuilt_params()
+    if not ddp.reducer._rebuild_buckets():
+        raise RuntimeError("torchpass: DDP refused to rebuild its buckets")
+    ddp._has_rebuilt_buckets = True
+    setattr(ddp, _LAYOUT_ATTR, buckets)
 
 
 def adopt_layout(ddp: DistributedDataParallel, layout: dict[str, Any]) -> None:
-    """Give a joining rank's fresh reducer the survivors' bucket layout (call in local mode)."""
-    if not layout["rebuilt"]:
-        return
-    group = ddp.process_group
-    if not isinstance(group, RebuildableProcessGroup) or not group.is_local:
-        raise RuntimeError("adopt_layout must run while the joining rank's groups are local")
-    buckets = layout["buckets"]
-    flat = [i for b in buckets for i in b]
-    if sorted(flat) != list(range(len(flat))):
-        raise RuntimeError(f"torchpass: the source's DDP bucket layout is not a permutation of the parameters: {buckets}")
-    indices = torch.tensor(flat + [len(buckets)], dtype=torch.int32)
-    sizes = torch.tensor([len(b) for b in buckets], dtype=torch.int32)
-    group.script_broadcasts([indices, sizes])
-    ddp.reducer._push_all_rebuilt_params()
-    if not ddp.reducer._rebuild_buckets():
-        raise RuntimeError("torchpass: DDP refused to rebuild its buckets on the joining rank")
-    mine = bucket_layout(ddp)
-    if mine["buckets"] and mine["buckets"] != buckets:
-        raise RuntimeError(f"torchpass: DDP bucket layout mismatch after adoption: {mine['buckets']} vs {buckets}")
+    """Give a rank that fetched its state the layout of the rank it copied from."""
+    group = _local_group(ddp)
+    ddp.reducer._reset_state()
+    ddp._has_rebuilt_buckets = False
+    setattr(ddp, _LAYOUT_ATTR, None)
+    if layout["rebuilt"]:
+        _replay_rebuild(ddp, group, layout["buckets"])
+
+
+def settle_after_abort(ddp: DistributedDataParallel, version: int) -> None:
+    """Bring a survivor's reducer to the state of the fault-free run before step ``version + 1``."""
+    group = _local_group(ddp)
+    if version >= 1 and not ddp._has_rebuilt_buckets and ddp.reducer._rebuild_buckets():
+        # The interrupted step was about to rebuild; every rank recorded the same order.
+        ddp._has_rebuilt_buckets = True
+    layout = bucket_layout(ddp) if version >= 1 else {"rebuilt": False, "buckets": []}
+    ddp.reducer._reset_state()
+    ddp._has_rebuilt_buckets = False
+    setattr(ddp, _LAYOUT_ATTR, None)
+    if layout["rebuilt"]:
+        _replay_rebuild(ddp, group, layout["buckets"])
 
 
 def reset_after_abort(ddp: DistributedDataParallel) -> None:
-    """Clear the state an interrupted backward left and re-arm the bucket rebuild on every rank alike."""
-    ddp.reducer._reset_state()
-    ddp._has_rebuilt_buckets = False
+    """``settle_after_abort`` at the rank's current version (idempotent after ``adopt_layout``)."""
+    from . import runtime
+
+    rt = runtime.current()
+    settle_after_abort(ddp, rt.version if rt is not None else 0)

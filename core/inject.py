@@ -1,10 +1,13 @@
-"""``torchpass inject``: put a real fault into a running job, to test migration on your workload.
+"""``torchpass inject`` and ``torchpass migrate``: faults and planned migrations on demand.
+
+``inject`` puts a real fault into a running job, to test migration on your workload.
 
 Faults are signals to the processes recorded in ``workers.json`` (so run it on
 the machine hosting the target): ``kill`` (SIGKILL, a crash), ``hang``
 (SIGSTOP, a wedged process), ``term`` (SIGTERM, a planned drain), ``node``
 (SIGKILL to a node's launcher and every worker of that node at once, a node
-lost).
+lost). ``migrate`` asks the controller for a planned migration of a rank, as a
+scheduler draining a node would.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from pathlib import Path
 
 from .status import read_workers
 
-__all__ = ["inject", "FAULTS"]
+__all__ = ["inject", "request_migration", "FAULTS"]
 
 FAULTS = {"kill": signal.SIGKILL, "hang": signal.SIGSTOP, "term": signal.SIGTERM}
 
@@ -51,3 +54,13 @@ def inject(run_dir: str | Path, fault: str, rank: int | None = None, wid: str | 
         except ProcessLookupError:
             pass  # already gone: a node loss kills everything, in any order
     return pids
+
+
+def request_migration(run_dir: str | Path, rank: int) -> None:
+    """The operator's planned migration: the rank hands its own state to a spare at the next step boundary."""
+    from .control import Keys, Mailbox, Report, connect
+
+    data = read_workers(run_dir)
+    _find(data["workers"], rank, None)
+    host, port = data["store"].rsplit(":", 1)
+    Mailbox(connect(host, int(port), timeout=10.0), Keys.events).post(Report("migrate", rank=rank, detail={"signal": "operator"}))

@@ -382,8 +382,11 @@ class Runtime:
             and chaos.kill_step == self.step
             and chaos.kill_point == point
         ):
-            print(f"[torchpass] chaos: SIGKILL rank {self.rank} at {point} of step {self.step}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
+            print(f"[torchpass] chaos: {chaos.action} rank {self.rank} at {point} of step {self.step}", flush=True)
+            if chaos.action == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:  # stall: heartbeats go on, the step never finishes
+                time.sleep(3600)
 
     def step_begin(self, step: int) -> None:
         self.step = step

@@ -197,3 +197,43 @@ def test_kill_inside_the_optimizer_step_rolls_back_to_snapshots(tmp_path: Path, 
     last = _check_success(run, reference_zero, pids, {1}, "kill", max_steps_lost=1)
     assert last["target_step"] == 6, last
     assert any(src["copy"] == "snapshot" for plan in last["sources"].values() for srcs in plan["from"].values() for src in srcs)
+
+
+def test_a_stalled_rank_is_caught_by_the_hang_timeout(tmp_path: Path, reference: dict) -> None:
+    """Rank 3's training thread stops but its heartbeats go on: only step progress reveals it."""
+    run = launch(tmp_path, JOB, ARGS, extra=["--chaos", "stall_in_step"])
+    run.wait_step(0, 2)
+    pids = run.active_pids()
+    last = _check_success(run, reference, pids, {3}, "progress")
+    assert last["failed_ranks"] == [3] and last["target_step"] == 5
+
+
+def test_operator_asks_for_a_planned_migration(tmp_path: Path, reference: dict) -> None:
+    from torchpass.core.inject import request_migration
+
+    rng = fault_rng("operator-migrate")
+    rank, step = rng.randrange(4), rng.randint(3, STEPS - 4)
+    run = launch(tmp_path, JOB, ARGS)
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    request_migration(run.run_dir, rank)
+    last = _check_success(run, reference, pids, {rank}, "planned")
+    assert [s["rank"] for s in last["sources"][str(rank)]["from"]["params"]] == [rank]
+
+
+BUCKET_ARGS = [*ARGS, "--bucket-cap-mb", "0.0001"]
+
+
+def test_kill_while_ddp_rebuilds_its_buckets(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Rank 1 dies as step 2 starts, while the survivors run DDP's one-time bucket rebuild (two broadcasts).
+
+    With tiny buckets the rebuilt layout differs from the construction-time one, so
+    any rank left on the wrong layout changes the reduction order (or hangs).
+    """
+    ref = launch(tmp_path_factory.mktemp("reference-buckets"), JOB, BUCKET_ARGS)
+    assert ref.wait() == 0, ref.output()[-3000:]
+    run = launch(tmp_path, JOB, BUCKET_ARGS, extra=["--chaos", "kill_before_ddp_rebuild"])
+    run.wait_step(0, 1)
+    pids = run.active_pids()
+    last = _check_success(run, ref.results(), pids, {1}, "kill")
+    assert last["target_step"] == 2

@@ -31,6 +31,7 @@ def main() -> None:
     p.add_argument("--workdir", required=True)
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer: sharded optimizer state (buddy copies)")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="tiny values make DDP's rebuilt layout differ")
     args = p.parse_args()
     work = Path(args.workdir)
     (work / "progress").mkdir(parents=True, exist_ok=True)
@@ -46,7 +47,7 @@ def main() -> None:
     data = TensorDataset(x, y)
     loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, world, rank, shuffle=True, seed=3))
     net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1))
-    model = DistributedDataParallel(net)
+    model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb)
     if args.zero:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3, weight_decay=0.01)
     else:
