@@ -12,7 +12,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 from .topology import Layout
 
-__all__ = ["StateProvider", "SmallStateProvider", "SMALL_CLASS"]
+__all__ = ["ResumingProvider", "StateProvider", "SmallStateProvider", "SMALL_CLASS"]
 
 SMALL_CLASS = "small"
 """The state class of per-rank small state (RNG streams, data position), which the runtime adds itself."""
@@ -48,6 +48,20 @@ class StateProvider(Protocol):
         Called on every surviving rank before it reports, so the rank's state is
         exactly the state at its last version.
         """
+        ...
+
+
+class ResumingProvider(StateProvider, Protocol):
+    """Optional: work that needs the new generation's live process groups.
+
+    ``resume()`` runs on every member, survivors and joined spares alike, after
+    the groups are rebuilt and the members have met at a barrier, before the
+    step is re-executed. Collectives are allowed and must be the same on every
+    rank (e.g. re-gathering parameters a ZeRO optimizer derives from its
+    partitions).
+    """
+
+    def resume(self) -> None:
         ...
 
 

@@ -585,6 +585,8 @@ class Runtime:
         try:
             comms.rebuild_all(self.store, plan.generation, timedelta(seconds=self.config.rebuild_timeout_s))
             dist.barrier()
+            if hasattr(self.provider, "resume"):
+                self.provider.resume()  # type: ignore[union-attr]
         except (dist.DistError, RuntimeError) as exc:
             # A member died between "go" and the end of the rebuild: this generation is over too.
             reason = f"rank {self.rank}: rebuilding generation {plan.generation} failed: {exc}"
