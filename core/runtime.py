@@ -588,6 +588,8 @@ class Runtime:
             if hasattr(self.provider, "resume"):
                 self.provider.resume()  # type: ignore[union-attr]
         except (dist.DistError, RuntimeError) as exc:
+            if not self.is_comm_failure(exc):
+                raise
             # A member died between "go" and the end of the rebuild: this generation is over too.
             reason = f"rank {self.rank}: rebuilding generation {plan.generation} failed: {exc}"
             print(f"[torchpass] {reason}", file=sys.stderr, flush=True)
