@@ -18,6 +18,7 @@ key                         written by           read by
 ``g/<g>/ready/<rank>``      members              controller
 ``g/<g>/go``                controller           members ("go" or "abort: ...")
 ``g/<g>/done/<rank>``       members              controller (timings after resuming)
+``g/<g>/<what>_count``      members              controller (one read instead of one per member)
 ``assign/<wid>``            controller           a spare (its rank, or an order to exit)
 ``mirror/<rank>/<slot>``    each rank            planner (RNG/data position, one slot per version)
 ``rankinfo/<rank>``         each rank            ranks pairing buddies (node, transfer address)
@@ -93,6 +94,11 @@ class Keys:
         return f"{PREFIX}g/{g}/plan"
 
     @staticmethod
+    def count(g: int, what: str) -> str:
+        """A counter members bump after writing their ``what`` key (status, ready, done) in generation g."""
+        return f"{PREFIX}g/{g}/{what}_count"
+
+    @staticmethod
     def ready(g: int, rank: int) -> str:
         return f"{PREFIX}g/{g}/ready/{rank}"
 
@@ -139,6 +145,22 @@ def get(store: dist.Store, key: str, cls: type[T], timeout: float | None = None)
     if timeout is not None:
         store.wait([key], timedelta(seconds=timeout))
     return _from_json(cls, store.get(key))
+
+
+def put_counted(store: dist.Store, g: int, what: str, key: str, record: Any) -> None:
+    """Write a member's record, then bump the generation's counter of such records."""
+    put(store, key, record)
+    store.add(Keys.count(g, what), 1)
+
+
+def gather(store: dist.Store, keys: list[str], cls: type[T]) -> list[T]:
+    """Read many records in one round trip (all keys must exist)."""
+    return [_from_json(cls, raw) for raw in store.multi_get(keys)] if keys else []
+
+
+def present(store: dist.Store, g: int, what: str, keys: list[str]) -> bool:
+    """Whether every key exists: the counter first (one operation), then one check of all keys."""
+    return store.add(Keys.count(g, what), 0) >= len(keys) and store.check(keys)
 
 
 def try_get(store: dist.Store, key: str, cls: type[T]) -> T | None:
@@ -236,14 +258,15 @@ class Plan:
 
     generation: int
     target_version: int
-    members: dict[str, str]
-    """Rank (as a string, JSON keys) -> worker id."""
+    joins: dict[str, str]
+    """Rank (as a string, JSON keys) -> worker id of the spare taking it over; other ranks keep their process."""
     ranks: dict[str, RankPlan | dict[str, Any]]
+    """Rank -> what it does to reach the target; a rank not listed keeps its live state (O(changes) in size)."""
     addresses: dict[str, list[Any]]
-    """Rank -> transfer address of every member that serves state."""
+    """Rank -> transfer address, for every rank the plan reads state from."""
     cause: str
     replaced: dict[str, str] = field(default_factory=dict)
-    """Rank -> worker id of the process it replaced."""
+    """Rank -> worker id of the process the spare replaces."""
     retire: list[str] = field(default_factory=list)
     """Worker ids that hand their rank over and exit (planned migrations)."""
     steps_lost: int = 0
@@ -251,7 +274,9 @@ class Plan:
     t: float = field(default_factory=time.time)
 
     def rank_plan(self, rank: int) -> RankPlan:
-        raw = self.ranks[str(rank)]
+        raw = self.ranks.get(str(rank))
+        if raw is None:
+            return RankPlan()
         return raw if isinstance(raw, RankPlan) else RankPlan(**raw)
 
 

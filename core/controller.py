@@ -43,7 +43,21 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from .config import TorchPassConfig, config_from_mapping
-from .control import Heartbeat, Keys, Mailbox, Plan, Report, Status, WorkerRecord, get_pickle, put, read_mirror, try_get
+from .control import (
+    Heartbeat,
+    Keys,
+    Mailbox,
+    Plan,
+    Report,
+    Status,
+    WorkerRecord,
+    gather,
+    get_pickle,
+    present,
+    put,
+    read_mirror,
+    try_get,
+)
 from .rng import rng_digest
 from .ledger import DISQUALIFYING, QUALIFYING, JobEvent, Ledger, MigrationEvent
 from .planner import Disqualified, MirrorInfo, PlanInput, SpareInfo, plan_migration
@@ -79,6 +93,9 @@ class _Migration:
     t_go: float = 0.0
     message: str = ""
     attempts: int = 1
+    members: dict[int, str] = field(default_factory=dict)
+    """Rank -> worker of the generation being planned (the old members plus the plan's joins)."""
+    last_scan: float = 0.0
 
 
 class Controller:
@@ -117,17 +134,30 @@ class Controller:
         self.sticky: dict[int, str] = {}
         self.nodes_lost: set[int] = set()
         self._last_progress = (0, time.time())
-        self._pending_reports: list[Report] = []
+        self._last_progress_scan = 0.0
+        self._last_node_scan = 0.0
+        self._workers_dirty = False
+        self._node_info: dict[int, Any] = {}
         put(store, Keys.gen, 0)
         put(store, Keys.job, {**asdict(spec), "config": config.to_dict()})
         self.ledger.append(JobEvent("job_start", f"{spec.world_size} ranks on {spec.nnodes} node(s)", asdict(spec)))
 
     # ---- bookkeeping -----------------------------------------------------------
     def _write_workers_json(self) -> None:
+        """Mark ``workers.json`` stale; it is rewritten once at the end of the tick."""
+        self._workers_dirty = True
+
+    def _flush_workers_json(self) -> None:
+        if not self._workers_dirty:
+            return
+        self._workers_dirty = False
         rows = []
         for wid, rec in sorted(self.records.items()):
             rows.append(asdict(rec))
-        nodes = {str(n): get_pickle(self.store, f"{Keys.node_mail(n)}/info") for n in range(self.spec.nnodes)}
+        for n in range(self.spec.nnodes):
+            if self._node_info.get(n) is None:
+                self._node_info[n] = get_pickle(self.store, f"{Keys.node_mail(n)}/info")
+        nodes = {str(n): info for n, info in self._node_info.items()}
         data = {
             "generation": self.generation,
             "world_size": self.spec.world_size,
@@ -150,12 +180,15 @@ class Controller:
 
     # ---- the tick ----------------------------------------------------------------
     def tick(self) -> None:
-        if self.outcome is not None:
-            return
+        if self.outcome is None:
+            self._tick()
+        self._flush_workers_json()
+
+    def _tick(self) -> None:
         for report in self.events.drain(Report):
             self._on_report(report)
-        if self.outcome is not None:
-            return
+            if self.outcome is not None:
+                return
         self._check_nodes()
         if self.outcome is not None:
             return
@@ -222,6 +255,10 @@ class Controller:
                 self._set_role(wid, "lost" if code else "finished")
             self._write_workers_json()
             return
+        if wid in self.lost_wids:
+            # A process the controller already counted lost and fenced: its exit adds nothing.
+            self._write_workers_json()
+            return
         if code == 0 and report.kind == "exit":
             self.finished.add(rank)
             self._set_role(wid, "finished")
@@ -270,9 +307,18 @@ class Controller:
         if len(self.attached) == self.spec.world_size and not self.finished:
             self._check_progress(now)
 
+    def _node_silent(self, node: int) -> bool:
+        key = f"{Keys.node_mail(node)}/hb"
+        if node == 0 or not self.store.check([key]):
+            return False
+        return time.time() - float(self.store.get(key)) > self.config.heartbeat_timeout_s
+
     def _check_nodes(self) -> None:
         """A node whose agent stopped heartbeating is lost with every process on it."""
         now = time.time()
+        if now - self._last_node_scan < self.config.heartbeat_interval_s:
+            return
+        self._last_node_scan = now
         for node in range(1, self.spec.nnodes):
             key = f"{Keys.node_mail(node)}/hb"
             if node in self.nodes_lost or not self.store.check([key]):
@@ -294,12 +340,13 @@ class Controller:
                 self._failure(lost, "node", f"node {node}'s launcher stopped heartbeating; ranks {sorted(lost)} lost", seen)
 
     def _check_progress(self, now: float) -> None:
-        steps = []
-        for wid in self.members.values():
-            hb = try_get(self.store, Keys.heartbeat(wid), Heartbeat)
-            if hb is not None:
-                steps.append(hb.step)
-        top = max(steps, default=0)
+        if now - self._last_progress_scan < max(0.5, self.config.hang_timeout_s / 20):
+            return
+        self._last_progress_scan = now
+        keys = [Keys.heartbeat(w) for w in self.members.values()]
+        if not self.store.check(keys):
+            return
+        top = max((hb.step for hb in gather(self.store, keys, Heartbeat)), default=0)
         if top != self._last_progress[0]:
             self._last_progress = (top, now)
         elif now - self._last_progress[1] > self.config.hang_timeout_s:
@@ -355,24 +402,31 @@ class Controller:
 
     def _collect(self, m: _Migration) -> None:
         ended = m.generation - 1
-        statuses: dict[int, Status] = {}
-        silent = []
-        for rank, wid in self.members.items():
-            if rank in m.failed:
-                continue
-            st = try_get(self.store, Keys.status(ended, rank), Status)
-            if st is not None:
-                statuses[rank] = st
-            elif self._heartbeat_age(wid) > self.config.heartbeat_timeout_s:
-                self._lose(rank, wid, "stopped heartbeating during the migration")
-                m.failed.add(rank)
-            else:
-                silent.append(rank)
-        if silent and time.time() < m.deadline:
-            return
-        for rank in silent:
-            self._lose(rank, self.members[rank], f"did not report within {self.config.report_timeout_s:.0f} s")
-            m.failed.add(rank)
+        expected = [r for r in self.members if r not in m.failed]
+        keys = [Keys.status(ended, r) for r in expected]
+        now = time.time()
+        if not present(self.store, ended, "status", keys):
+            # Look for dead or silent members only now and then: it reads one key per member.
+            if now - m.last_scan < 1.0 and now < m.deadline:
+                return
+            m.last_scan = now
+            missing = [r for r, k in zip(expected, keys) if not self.store.check([k])]
+            for rank in missing:
+                wid = self.members[rank]
+                if self._heartbeat_age(wid) > self.config.heartbeat_timeout_s:
+                    self._lose(rank, wid, "stopped heartbeating during the migration")
+                    m.failed.add(rank)
+                    if m.cause in ("comm", "progress"):
+                        # The collective error was the symptom; a silent process is the cause.
+                        m.cause = "node" if self._node_silent(self.node_of.get(wid, 0)) else "hang"
+                elif now >= m.deadline:
+                    self._lose(rank, wid, f"did not report within {self.config.report_timeout_s:.0f} s")
+                    m.failed.add(rank)
+            expected = [r for r in expected if r not in m.failed]
+            keys = [Keys.status(ended, r) for r in expected]
+            if not self.store.check(keys):
+                return
+        statuses = dict(zip(expected, gather(self.store, keys, Status)))
         for rank, st in statuses.items():
             if st.draining:
                 m.draining.add(rank)
@@ -428,8 +482,8 @@ class Controller:
             self._stop(2, f"cannot migrate: {result.message}; restart the job from your last checkpoint", DISQUALIFYING, ledger=False)
             return
         m.plan = result
-        for rank_s in result.replaced:
-            new = result.members[rank_s]
+        m.members = {**self.members, **{int(r): w for r, w in result.joins.items()}}
+        for rank_s, new in result.joins.items():
             self.sticky[int(rank_s)] = new
             self.spares.pop(new, None)
             if not self.store.check([Keys.assign(new)]):
@@ -438,44 +492,41 @@ class Controller:
         put(self.store, Keys.gen, m.generation)
         m.phase = "joining"
         m.deadline = time.time() + (self.config.spare_join_timeout_s if result.replaced else self.config.rebuild_timeout_s)
-        moves = ", ".join(f"rank {r} -> {result.members[r]}" for r in sorted(result.replaced, key=int)) or "no process replaced"
+        moves = ", ".join(f"rank {r} -> {result.joins[r]}" for r in sorted(result.joins, key=int)) or "no process replaced"
         fetching = sorted(int(r) for r in result.ranks if result.rank_plan(int(r)).fetch)
         self.say(f"plan for generation {m.generation}: resume at step {result.target_version + 1}; {moves}; ranks {fetching} fetch state")
 
     # ---- joining -------------------------------------------------------------------
     def _joining(self, m: _Migration) -> None:
         assert m.plan is not None
-        missing = []
-        for rank_s, wid in m.plan.members.items():
-            if wid in self.lost_wids:
-                self._abort_joining(f"rank {rank_s}'s process {wid} was lost while joining")
-                return
-            key = Keys.ready(m.generation, int(rank_s))
-            if not self.store.check([key]):
-                missing.append(int(rank_s))
-                continue
-            answer = self.store.get(key).decode()
-            if answer.startswith("failed"):
-                if m.attempts >= self.config.transfer_retries + 2:
-                    self._ledger_migration(m, "failed", m.classification, answer)
-                    self._stop(2, f"cannot migrate: {answer} (after {m.attempts} attempts)", m.classification, ledger=False)
-                else:
-                    self._abort_joining(answer[len("failed: "):])
-                return
-        if missing:
+        lost = self.lost_wids.intersection(m.members.values())
+        if lost:
+            self._abort_joining(f"process(es) {sorted(lost)} lost while joining")
+            return
+        keys = [Keys.ready(m.generation, r) for r in sorted(m.members)]
+        if not present(self.store, m.generation, "ready", keys):
             if time.time() > m.deadline:
+                missing = [r for r in sorted(m.members) if not self.store.check([Keys.ready(m.generation, r)])]
                 for rank in missing:
-                    self._lose(rank, m.plan.members[str(rank)], "did not become ready in time")
+                    self._lose(rank, m.members[rank], "did not become ready in time")
                 self._abort_joining(f"rank(s) {missing} did not become ready in time")
+            return
+        failures = [a.decode() for a in self.store.multi_get(keys) if a.startswith(b"failed")]
+        if failures:
+            if m.attempts >= self.config.transfer_retries + 2:
+                self._ledger_migration(m, "failed", m.classification, failures[0])
+                self._stop(2, f"cannot migrate: {failures[0]} (after {m.attempts} attempts)", m.classification, ledger=False)
+            else:
+                self._abort_joining(failures[0][len("failed: ") :])
             return
         self.store.set(Keys.go(m.generation), "go")
         m.t_go = time.time()
         self.generation = m.generation
         for wid in m.plan.retire:
             self._set_role(wid, "retired")
-        for rank_s, wid in m.plan.members.items():
-            self.members[int(rank_s)] = wid
+        for rank_s, wid in m.plan.joins.items():
             self._set_role(wid, "active", int(rank_s))
+        self.members = dict(m.members)
         self.sticky = {}
         self._write_workers_json()
         m.phase = "resuming"
@@ -490,7 +541,7 @@ class Controller:
         self.say(f"migration to generation {m.generation} interrupted: {why}; planning again")
         # Survivors report again at the aborted generation; spares already assigned
         # keep their rank (sticky) unless they were lost too.
-        failed = set(m.failed) | {int(r) for r, w in m.plan.members.items() if w in self.lost_wids}
+        failed = set(m.failed) | {r for r, w in m.members.items() if w in self.lost_wids}
         self.generation = m.generation
         put(self.store, Keys.gen, self.generation)
         self.migration = _Migration(
@@ -514,13 +565,13 @@ class Controller:
         if end is not None:
             self._failure(set(), "comm", end, time.time())
             return
-        done = {}
-        for rank_s in m.plan.members:
-            detail = try_get(self.store, Keys.done(m.generation, int(rank_s)), dict)
-            if detail is not None:
-                done[int(rank_s)] = detail
-        if len(done) < len(m.plan.members) and time.time() < m.deadline:
+        keys = [Keys.done(m.generation, r) for r in sorted(m.members)]
+        if present(self.store, m.generation, "done", keys):
+            done = dict(zip(sorted(m.members), gather(self.store, keys, dict)))
+        elif time.time() < m.deadline:
             return
+        else:
+            done = {r: d for r, k in zip(sorted(m.members), keys) if (d := try_get(self.store, k, dict)) is not None}
         self._ledger_migration(m, "success", m.classification, m.message, done)
         self.migration = None
         self._last_progress = (0, time.time())
@@ -559,7 +610,7 @@ class Controller:
             classification=classification,
             outcome=outcome,
             failed_ranks=sorted(m.failed | m.draining),
-            replaced={r: plan.members[r] for r in plan.replaced} if plan is not None else {},
+            replaced=dict(plan.joins) if plan is not None else {},
             target_step=plan.target_version + 1 if plan is not None else 0,
             steps_lost=plan.steps_lost if plan is not None else 0,
             sources=sources,

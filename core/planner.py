@@ -28,6 +28,7 @@ Rules:
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -76,63 +77,76 @@ class Disqualified:
     """``no_spare`` or ``no_state``."""
 
 
-def _usable(inp: PlanInput, rank: int) -> Status | None:
-    st = inp.statuses.get(rank)
-    return st if st is not None and rank not in inp.lost else None
+class _Index:
+    """Per-planning lookups built once in O(N), so planning costs O(N + needy x replica set)."""
 
+    def __init__(self, inp: PlanInput):
+        self.inp = inp
+        self.reporting = {r: st for r, st in inp.statuses.items() if r not in inp.lost}
+        self.held: dict[int, list[tuple[int, set[int]]]] = {}
+        for holder, st in sorted(self.reporting.items()):
+            for src, versions in st.holds.items():
+                self.held.setdefault(int(src), []).append((holder, set(versions)))
 
-def _sources(inp: PlanInput, rank: int, state_class: str, version: int) -> list[tuple[int, str]]:
-    """Copies of ``rank``'s ``state_class`` state at ``version`` held by other reporting ranks."""
-    out: list[tuple[int, str]] = []
-    for r in inp.layout.replica_set(rank, state_class):
-        st = _usable(inp, r)
-        if st is None or r == rank:
-            continue
-        if st.clean and st.version == version:
-            out.append((r, "live"))
-        elif version in st.snapshots:
-            out.append((r, "snapshot"))
-    for r, st in sorted(inp.statuses.items()):
-        if r not in inp.lost and version in st.holds.get(str(rank), []):
-            out.append((r, f"held:{rank}"))
-    return out
+    def usable(self, rank: int) -> Status | None:
+        return self.reporting.get(rank)
 
+    def live_at(self, rank: int, version: int) -> bool:
+        st = self.reporting.get(rank)
+        return st is not None and st.clean and st.version == version
 
-def _small_source(inp: PlanInput, rank: int, version: int) -> str | None:
-    st = _usable(inp, rank)
-    if st is not None and st.clean and st.version == version:
-        return "self" if rank not in inp.draining else f"{rank}/live"
-    if st is not None and version in st.snapshots:
-        return f"{rank}/snapshot"
-    mirror = inp.mirrors.get(rank)
-    if mirror is not None and version in mirror.versions:
-        return "mirror"
-    for r, other_st in sorted(inp.statuses.items()):
-        if r not in inp.lost and version in other_st.holds.get(str(rank), []):
-            return f"{r}/held:{rank}"
-    if mirror is None:
+    def sources(self, rank: int, state_class: str, version: int) -> list[tuple[int, str]]:
+        """Copies of ``rank``'s ``state_class`` state at ``version`` held by other reporting ranks."""
+        out: list[tuple[int, str]] = []
+        for r in self.inp.layout.replica_set(rank, state_class):
+            st = self.reporting.get(r)
+            if st is None or r == rank:
+                continue
+            if st.clean and st.version == version:
+                out.append((r, "live"))
+            elif version in st.snapshots:
+                out.append((r, "snapshot"))
+        out += [(holder, f"held:{rank}") for holder, versions in self.held.get(rank, []) if version in versions]
+        return out
+
+    def small_source(self, rank: int, version: int) -> str | None:
+        st = self.reporting.get(rank)
+        if st is not None and st.clean and st.version == version:
+            return "self" if rank not in self.inp.draining else f"{rank}/live"
+        if st is not None and version in st.snapshots:
+            return f"{rank}/snapshot"
+        mirror = self.inp.mirrors.get(rank)
+        if mirror is not None and version in mirror.versions:
+            return "mirror"
+        for holder, versions in self.held.get(rank, []):
+            if version in versions:
+                return f"{holder}/held:{rank}"
+        if mirror is None:
+            return None
+        # The RNG streams of data-parallel replicas are often seeded alike: if this
+        # rank's mirrored records match a replica's at every common version, the
+        # replica's small state is this rank's too.
+        for r in self.inp.layout.replica_set(rank, "params"):
+            other = self.inp.mirrors.get(r)
+            if r == rank or other is None or not self.live_at(r, version):
+                continue
+            common = set(mirror.versions) & set(other.versions)
+            if common and all(mirror.versions[v] == other.versions[v] for v in common):
+                return f"{r}/live"
         return None
-    # The RNG streams of data-parallel replicas are often seeded alike: if this
-    # rank's mirrored records match a replica's at every common version, the
-    # replica's small state is this rank's too.
-    for r in inp.layout.replica_set(rank, "params"):
-        other = inp.mirrors.get(r)
-        other_st = _usable(inp, r)
-        if r == rank or other is None or other_st is None or not other_st.clean or other_st.version != version:
-            continue
-        common = set(mirror.versions) & set(other.versions)
-        if common and all(mirror.versions[v] == other.versions[v] for v in common):
-            return f"{r}/live"
-    return None
 
 
-def _nearest(sources: list[list[Any]], rank: int, node_of_rank: Mapping[int, int], limit: int) -> list[list[Any]]:
+def _nearest(sources: list[tuple[int, str]], rank: int, node_of_rank: Mapping[int, int], limit: int) -> list[list[Any]]:
     # Live copies first (no extra copy needed), then the receiver's node, then rank distance.
     here = node_of_rank.get(rank)
-    ranked = sorted(sources, key=lambda s: (s[1] != "live", node_of_rank.get(s[0]) != here, abs(s[0] - rank), s[0]))
+
+    def key(s: tuple[int, str]) -> tuple[bool, bool, int, int]:
+        return (s[1] != "live", node_of_rank.get(s[0]) != here, abs(s[0] - rank), s[0])
+
+    best = heapq.nsmallest(limit * 4, sources, key=key)
     # Striping mixes only copies of the same kind, whose bytes are guaranteed equal.
-    kind = ranked[0][1]
-    return [s for s in ranked if s[1] == kind][:limit]
+    kind = best[0][1]
+    return [list(s) for s in best if s[1] == kind][:limit]
 
 
 def _assign_spares(inp: PlanInput, needy: list[int]) -> dict[int, str] | Disqualified:
@@ -166,28 +180,35 @@ def _assign_spares(inp: PlanInput, needy: list[int]) -> dict[int, str] | Disqual
     return assigned
 
 
-def _plan_at(inp: PlanInput, version: int) -> dict[int, RankPlan] | str:
-    """Per-rank plans to reach ``version``, or a sentence naming the first rank that cannot."""
+def _plan_at(index: _Index, version: int) -> dict[int, RankPlan] | str:
+    """Plans of the ranks that do anything to reach ``version``, or a sentence naming the first rank that cannot.
+
+    A rank absent from the result keeps its live state and its own small state.
+    """
+    inp = index.inp
+    classes = sorted(inp.layout.state_classes)
     plans: dict[int, RankPlan] = {}
     for rank in range(inp.layout.world_size):
-        st = _usable(inp, rank)
+        st = index.usable(rank)
+        live = index.live_at(rank, version)
+        if live and rank not in inp.draining:
+            continue
         plan = RankPlan()
-        live = st is not None and st.clean and st.version == version
-        if live and rank in inp.draining:
+        if live:
             # A draining rank hands over exactly its own state, sharded parts included.
-            plan.fetch = {cls: [[rank, "live"]] for cls in sorted(inp.layout.state_classes)}
-        elif not live and st is not None and version in st.snapshots:
-            plan.fetch = {cls: [[rank, "snapshot"]] for cls in sorted(inp.layout.state_classes)}
-        elif not live:
-            for cls in sorted(inp.layout.state_classes):
-                sources = _sources(inp, rank, cls, version)
+            plan.fetch = {cls: [[rank, "live"]] for cls in classes}
+        elif st is not None and version in st.snapshots:
+            plan.fetch = {cls: [[rank, "snapshot"]] for cls in classes}
+        else:
+            for cls in classes:
+                sources = index.sources(rank, cls, version)
                 if not sources:
                     return (
                         f"rank {rank}: no surviving copy of its {cls!r} state at step {version} "
                         f"(replica set {inp.layout.replica_set(rank, cls)}, lost {sorted(inp.lost)}, no buddy copy)"
                     )
-                plan.fetch[cls] = [list(s) for s in sources]
-        small = _small_source(inp, rank, version)
+                plan.fetch[cls] = sources  # type: ignore[assignment]
+        small = index.small_source(rank, version)
         if small is None:
             mirror = inp.mirrors.get(rank)
             have = sorted(mirror.versions) if mirror else []
@@ -202,9 +223,9 @@ def _plan_at(inp: PlanInput, version: int) -> dict[int, RankPlan] | str:
 
 def plan_migration(inp: PlanInput) -> Plan | Disqualified:
     """Plan the next generation, or say why none exists."""
-    reporting = {r: st for r, st in inp.statuses.items() if r not in inp.lost}
-    candidates = {st.version for st in reporting.values() if st.clean}
-    for st in reporting.values():
+    index = _Index(inp)
+    candidates = {st.version for st in index.reporting.values() if st.clean}
+    for st in index.reporting.values():
         candidates.update(st.snapshots)
         for versions in st.holds.values():
             candidates.update(versions)
@@ -213,7 +234,7 @@ def plan_migration(inp: PlanInput) -> Plan | Disqualified:
     problem = ""
     target, rank_plans = -1, {}
     for version in sorted(candidates, reverse=True):
-        found = _plan_at(inp, version)
+        found = _plan_at(index, version)
         if isinstance(found, str):
             problem = problem or found
             continue
@@ -225,22 +246,24 @@ def plan_migration(inp: PlanInput) -> Plan | Disqualified:
     spares = _assign_spares(inp, needy)
     if isinstance(spares, Disqualified):
         return spares
-    members = {str(r): inp.members[r] for r in range(inp.layout.world_size)}
     node_of_rank = {r: inp.node_of.get(w, -1) for r, w in inp.members.items()}
     for rank, wid in spares.items():
-        members[str(rank)] = wid
         node_of_rank[rank] = inp.node_of.get(wid, -1)
+    used: set[int] = set()
     for rank, plan in rank_plans.items():
-        plan.fetch = {cls: _nearest(src, rank, node_of_rank, inp.max_sources) for cls, src in plan.fetch.items()}
+        plan.fetch = {cls: _nearest(src, rank, node_of_rank, inp.max_sources) for cls, src in plan.fetch.items()}  # type: ignore[arg-type]
+        used.update(r for sources in plan.fetch.values() for r, _ in sources)
+        if "/" in plan.small_from:
+            used.add(int(plan.small_from.split("/", 1)[0]))
     return Plan(
         generation=inp.generation,
         target_version=target,
-        members=members,
+        joins={str(r): wid for r, wid in spares.items()},
         ranks={str(r): p for r, p in rank_plans.items()},
-        addresses={str(r): list(st.transfer_addr) for r, st in reporting.items()},
+        addresses={str(r): list(index.reporting[r].transfer_addr) for r in sorted(used)},
         cause=inp.cause,
         replaced={str(r): inp.members[r] for r in spares},
         retire=[inp.members[r] for r in sorted(inp.draining)],
         # Completed steps undone: a survivor's reported version counts only committed steps.
-        steps_lost=max(0, max(st.version for st in reporting.values()) - target),
+        steps_lost=max(0, max(st.version for st in index.reporting.values()) - target),
     )

@@ -68,6 +68,7 @@ from .control import (
     get,
     MIRROR_SLOTS,
     put,
+    put_counted,
     put_pickle,
     read_mirror,
 )
@@ -546,7 +547,7 @@ class Runtime:
                 holds={str(k): v for k, v in self._buddy.held_versions().items()} if self._buddy is not None else {},
             )
             self.server.publish(self._capture())
-            put(self.store, Keys.status(self.generation, self.rank), status)
+            put_counted(self.store, self.generation, "status", Keys.status(self.generation, self.rank), status)
             plan = self._wait_plan(self.generation + 1)
             if self.wid in plan.retire:
                 self._retire(plan)
@@ -576,7 +577,8 @@ class Runtime:
             print(f"[torchpass] {failure}", file=sys.stderr, flush=True)
         self._timings.add("transfer", _now() - t0)
         self._publish_rankinfo()
-        put(self.store, Keys.ready(plan.generation, self.rank), f"failed: {failure}" if failure else "ready")
+        answer = f"failed: {failure}" if failure else "ready"
+        put_counted(self.store, plan.generation, "ready", Keys.ready(plan.generation, self.rank), answer)
         go = self._wait_go(plan.generation)
         self._set_generation(plan.generation)
         if not go:
@@ -631,7 +633,7 @@ class Runtime:
         if not self._wait_go(plan.generation):
             return
         self.phase = "done"
-        print(f"[torchpass] rank {self.rank} ({self.wid}) handed over to {plan.members[str(self.rank)]}; exiting", flush=True)
+        print(f"[torchpass] rank {self.rank} ({self.wid}) handed over to {plan.joins[str(self.rank)]}; exiting", flush=True)
         self.server.close()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -724,7 +726,7 @@ class Runtime:
         self._timings.add("spare_setup", _now() - self._t_assigned)
         while not self._join_generation(plan, joining=True):
             plan = self._wait_plan(plan.generation + 1)
-            if plan.members.get(str(self.rank)) != self.wid:
+            if plan.joins.get(str(self.rank)) != self.wid:
                 print(f"[torchpass] spare {self.wid} was released from rank {self.rank}; exiting", flush=True)
                 sys.stdout.flush()
                 os._exit(0)
@@ -734,7 +736,7 @@ class Runtime:
     def _report_done(self) -> None:
         assert self._pending_done is not None and self.rank is not None
         detail = {**self._pending_done, **self._timings.values, "bytes": self._timings.bytes_moved, "t_done": _now()}
-        put(self.store, Keys.done(self.generation, self.rank), detail)
+        put_counted(self.store, self.generation, "done", Keys.done(self.generation, self.rank), detail)
         self._pending_done = None
 
     # ---- shutdown --------------------------------------------------------

@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+# Imported up front (it loads torch): a request issued mid-run must land at the step the test chose.
+from torchpass.core.control import Keys  # noqa: F401
+from torchpass.core.inject import request_migration
+
 from tests.support.harness import JOBS, assert_bitwise, fault_rng, launch
 
 pytestmark = pytest.mark.e2e
@@ -209,8 +213,6 @@ def test_a_stalled_rank_is_caught_by_the_hang_timeout(tmp_path: Path, reference:
 
 
 def test_operator_asks_for_a_planned_migration(tmp_path: Path, reference: dict) -> None:
-    from torchpass.core.inject import request_migration
-
     rng = fault_rng("operator-migrate")
     rank, step = rng.randrange(4), rng.randint(3, STEPS - 4)
     run = launch(tmp_path, JOB, ARGS)

@@ -75,7 +75,7 @@ def small_source_rank(small_from: str) -> int | None:
 
 
 def spare_nodes(inp: PlanInput, plan: Plan) -> dict[int, int]:
-    return {int(r): inp.node_of[plan.members[r]] for r in plan.replaced}
+    return {int(r): inp.node_of[plan.joins[r]] for r in plan.replaced}
 
 
 # ---- a lost rank with replicas ---------------------------------------------------------------
@@ -87,8 +87,8 @@ def test_lost_rank_gets_a_spare_and_fetches_from_replicas():
     assert plan.generation == 3
     assert plan.target_version == 10
     assert plan.replaced == {"1": "n0-w1"}
-    assert plan.members["1"] in ("n0-s0", "n1-s0")
-    assert {plan.members[str(r)] for r in (0, 2, 3)} == {"n0-w0", "n1-w0", "n1-w1"}
+    assert plan.joins["1"] in ("n0-s0", "n1-s0")
+    assert sorted(plan.joins) == ["1"]  # every other rank keeps its process
     assert plan.retire == []
     rp = plan.rank_plan(1)
     assert sorted(rp.fetch) == CLASSES
@@ -127,7 +127,7 @@ def test_plan_survives_the_json_round_trip_through_the_store():
     inp = plan_input(ddp_layout(4), versions={0: 10, 2: 10, 3: 10}, lost={1}, mirrors={1: {10: "b"}})
     plan = planned(inp)
     again = _from_json(Plan, _to_json(plan))
-    assert again.members == plan.members and again.target_version == 10
+    assert again.joins == plan.joins and again.target_version == 10
     assert again.rank_plan(1) == plan.rank_plan(1)
     assert json.loads(_to_json(again)) == json.loads(_to_json(plan))
 
@@ -140,7 +140,7 @@ def test_lagging_survivor_fetches_and_keeps_its_process():
     plan = planned(inp)
     assert plan.target_version == 10
     assert plan.replaced == {}
-    assert plan.members["2"] == "n1-w0"
+    assert "2" not in plan.joins
     assert sorted(plan.rank_plan(2).fetch) == CLASSES
     assert sorted(source_ranks(plan, 2, "params")) == [0, 1, 3]
     assert source_ranks(plan, 2, "params")[0] == 3  # same node first
@@ -182,7 +182,7 @@ def test_draining_rank_is_its_own_source_and_retires():
     assert plan.target_version == 7
     assert plan.replaced == {"3": "n1-w1"}
     assert plan.retire == ["n1-w1"]
-    assert plan.members["3"] == "n1-s0"  # a planned move stays on the rank's node when it can
+    assert plan.joins["3"] == "n1-s0"  # a planned move stays on the rank's node when it can
     for cls in plan.rank_plan(3).fetch:
         assert source_ranks(plan, 3, cls) == [3]
     assert sorted(plan.rank_plan(3).fetch) == sorted(layout.state_classes)
@@ -207,8 +207,8 @@ def test_whole_node_loss_takes_spares_on_other_nodes():
     nodes = spare_nodes(inp, plan)
     assert sorted(nodes) == [2, 3]
     assert 1 not in nodes.values()
-    assert len({plan.members["2"], plan.members["3"]}) == 2
-    assert plan.members["2"] == "n2-s0"  # the node with the most spares left goes first
+    assert len({plan.joins["2"], plan.joins["3"]}) == 2
+    assert plan.joins["2"] == "n2-s0"  # the node with the most spares left goes first
     for r in (2, 3):
         assert sorted(source_ranks(plan, r, "params")) == [0, 1, 4, 5]
 
@@ -216,13 +216,13 @@ def test_whole_node_loss_takes_spares_on_other_nodes():
 def test_each_lost_rank_gets_a_distinct_spare():
     inp = plan_input(ddp_layout(4), versions={0: 5, 3: 5}, lost={1, 2}, mirrors={1: {5: "a"}, 2: {5: "b"}})
     plan = planned(inp)
-    assert {plan.members["1"], plan.members["2"]} == {"n0-s0", "n1-s0"}
+    assert {plan.joins["1"], plan.joins["2"]} == {"n0-s0", "n1-s0"}
 
 
 def test_single_process_loss_with_one_spare_per_node():
     inp = plan_input(ddp_layout(4), versions={0: 5, 1: 5, 3: 5}, lost={2}, mirrors={2: {5: "a"}})
     plan = planned(inp)
-    assert plan.members["2"] in ("n0-s0", "n1-s0")
+    assert plan.joins["2"] in ("n0-s0", "n1-s0")
 
 
 def test_single_process_loss_prefers_a_spare_on_its_own_node():
@@ -235,12 +235,12 @@ def test_single_process_loss_prefers_a_spare_on_its_own_node():
         cause="kill",
     )
     plan = planned(inp)
-    assert plan.members["1"] == "n0-s0"
+    assert plan.joins["1"] == "n0-s0"
 
 
 def test_sticky_spare_is_reused():
     inp = plan_input(ddp_layout(4), versions={0: 5, 2: 5, 3: 5}, lost={1}, sticky={1: "n1-s0"}, mirrors={1: {5: "a"}}, cause="planned")
-    assert planned(inp).members["1"] == "n1-s0"
+    assert planned(inp).joins["1"] == "n1-s0"
     inp = plan_input(
         ddp_layout(4),
         versions={0: 5, 2: 5, 3: 5},
@@ -249,12 +249,12 @@ def test_sticky_spare_is_reused():
         sticky={1: "n1-s9"},
         mirrors={1: {5: "a"}},
     )
-    assert planned(inp).members["1"] == "n1-s9"
+    assert planned(inp).joins["1"] == "n1-s9"
 
 
 def test_sticky_spare_that_is_gone_is_replaced_by_another():
     inp = plan_input(ddp_layout(4), versions={0: 5, 2: 5, 3: 5}, lost={1}, sticky={1: "n1-dead"}, spares={"n1-s0": 1}, mirrors={1: {5: "a"}})
-    assert planned(inp).members["1"] == "n1-s0"
+    assert planned(inp).joins["1"] == "n1-s0"
 
 
 def test_sticky_spare_of_another_rank_is_not_taken():
@@ -262,8 +262,8 @@ def test_sticky_spare_of_another_rank_is_not_taken():
         ddp_layout(4), versions={0: 5, 3: 5}, lost={1, 2}, sticky={2: "n0-s0"}, mirrors={1: {5: "a"}, 2: {5: "b"}}
     )
     plan = planned(inp)
-    assert plan.members["2"] == "n0-s0"
-    assert plan.members["1"] == "n1-s0"
+    assert plan.joins["2"] == "n0-s0"
+    assert plan.joins["1"] == "n1-s0"
 
 
 def test_no_spare_is_disqualifying_and_names_the_ranks():
