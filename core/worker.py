@@ -5,11 +5,14 @@
 1. install rebuildable process groups (:func:`torchpass.core.comms.install`) so
    the training script's ``init_process_group("gloo")`` creates them;
 2. start the runtime: register with the controller, start heartbeats;
-3. a spare imports the script's third-party dependencies (so it is warm), then
+3. activate the installed framework integrations
+   (:mod:`torchpass.core.integrations`), which hook a framework when the
+   script imports it, so an unmodified script is migratable;
+4. a spare imports the script's third-party dependencies (so it is warm), then
    waits for an assignment; once it has a rank it sets the environment
    ``torchrun`` would have given that rank and makes new process groups start
    local;
-4. run the training script as ``__main__``. An uncaught exception is written
+5. run the training script as ``__main__``. An uncaught exception is written
    to ``TORCHELASTIC_ERROR_FILE`` (torch elastic's error-file format) so the
    agent can tell a bug in the script, which it must not retry on a spare, from
    a crash or a kill, which it migrates.
@@ -29,7 +32,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from . import comms, runtime
+from . import comms, integrations, runtime
 
 __all__ = ["main"]
 
@@ -98,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     comms.install()
     rt = runtime.init_from_env()
     rt.install_signal_handlers()
+    integrations.activate_all(args)
     if rt.role == "spare":
         _preload(target, is_module)
         _become_rank(rt.wait_for_assignment())
