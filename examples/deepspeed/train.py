@@ -1,0 +1,81 @@
+"""A DeepSpeed ZeRO job made migratable by the "torchpass" block of its config (CPU, gloo).
+
+    torchpass launch --nproc-per-node 2 --spares-per-node 1 examples/deepspeed/train.py \
+        --deepspeed_config examples/deepspeed/ds_config.json --steps 20
+
+Then kill a rank (``torchpass inject --run-dir torchpass_run kill --rank 1``, or ``kill -9``): a spare takes
+its place and training continues from the interrupted step. ``--pipe`` trains a 2-stage pipeline instead
+(``--nproc-per-node 4``: pipeline 2 x data 2; set ``"stage": 1`` in the config, pipelines take ZeRO 0 or 1),
+whose ``engine.train_batch`` loop needs no change at all. With plain ``deepspeed``/``torchrun`` the same
+script trains the same way, without migration.
+"""
+
+import argparse
+
+import deepspeed
+import torch
+from deepspeed.pipe import PipelineModule
+from deepspeed.utils import RepeatingLoader
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from torchpass.adapters.deepspeed import steps
+
+
+def layers(hidden: int) -> list[torch.nn.Module]:
+    return [torch.nn.Linear(32, hidden), torch.nn.GELU(), torch.nn.Dropout(0.1), torch.nn.Linear(hidden, 1)]
+
+
+class Regression(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(*layers(hidden))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.net(x).squeeze(1), y)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--pipe", action="store_true", help="2-stage pipeline trained with engine.train_batch")
+    parser.add_argument("--local_rank", type=int, default=-1)
+    parser = deepspeed.add_config_arguments(parser)
+    args = parser.parse_args()
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(4096, 32, generator=g)
+    y = (x @ torch.randn(32, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(4096, generator=g)
+    dataset = TensorDataset(x, y)
+
+    if args.pipe:
+        loss_fn = lambda out, target: torch.nn.functional.mse_loss(out.squeeze(1), target)  # noqa: E731
+        net = PipelineModule(layers=layers(args.hidden), num_stages=2, loss_fn=loss_fn)
+        engine, *_ = deepspeed.initialize(args=args, model=net, model_parameters=net.parameters())
+        grid = engine.grid
+        sampler = DistributedSampler(dataset, grid.data_parallel_size, grid.data_parallel_id, seed=7)
+        batches = RepeatingLoader(DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(), sampler=sampler))
+        for _ in range(args.steps):
+            loss = engine.train_batch(batches)
+            if engine.global_rank == 0:
+                print(f"step {engine.global_steps}: loss {loss.item():.5f}", flush=True)
+        return
+
+    model = Regression(args.hidden)
+    engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
+    for step in steps(engine, args.steps):
+        with step:
+            total = 0.0
+            for xb, yb in step.micro_batches():
+                loss = engine(xb, yb)
+                engine.backward(loss)
+                engine.step()
+                total += loss.item()
+            if engine.global_rank == 0:
+                print(f"step {step.number}: loss {total / engine.gradient_accumulation_steps():.5f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""End to end: real DeepSpeed engines survive real faults and end bitwise identical to the fault-free run.
+
+Every case runs ``torchpass launch`` on CPU/gloo with the reference job
+(``tests/support/deepspeed_job.py``: GA 2, WarmupLR, AdamW ``torch_adam``,
+gradient clipping, dropout) and checks the semantics contract against the
+fault-free run of the same configuration: every rank's final parameters,
+optimizer state, counters and scheduler, and every step's loss, equal bit for
+bit; survivors keep their PIDs; no file besides the job's outputs is written;
+the ledger and ``torchpass report`` account for the migration. ZeRO 1-3 shard
+optimizer state, which comes back from buddy copies: a rollback of at most one
+interval is allowed there (0 at ZeRO 0). Fault ranks and steps are random (seed
+printed; ``TORCHPASS_TEST_SEED`` replays).
+
+The forward/backward/step jobs use ``torchpass.adapters.deepspeed.steps``;
+the pipeline job imports nothing from torchpass, as a user's ``train_batch``
+script would not: the integration the worker activates hooks the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from tests.support.harness import JOBS, JobRun, assert_bitwise, fault_rng, launch
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 10
+JOB = JOBS / "deepspeed_job.py"
+ARGS = ["--steps", str(STEPS), "--workdir", ".", "--step-sleep", "0.25"]
+JOBS_BY_NAME: dict[str, tuple[list[str], int]] = {
+    "zero0": (["--zero", "0"], 2),
+    "zero1": (["--zero", "1"], 2),
+    "zero2": (["--zero", "2"], 2),
+    "zero3": (["--zero", "3"], 2),
+    "pp2xdp2-zero1": (["--pipe", "--zero", "1"], 4),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    """The fault-free results of a configuration, run once per module and shared by its tests."""
+    cache: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in cache:
+            extra, nproc = JOBS_BY_NAME[name]
+            run = launch(tmp_path_factory.mktemp(f"reference-{name}"), JOB, [*ARGS, *extra], nproc=nproc, spares=0)
+            assert run.wait() == 0, run.output()[-3000:]
+            assert not run.migrations()
+            cache[name] = run.results()
+        return cache[name]
+
+    return get
+
+
+def _start(tmp_path: Path, name: str, **kwargs: Any) -> JobRun:
+    extra, nproc = JOBS_BY_NAME[name]
+    return launch(tmp_path, JOB, [*ARGS, *extra], nproc=nproc, **kwargs)
+
+
+def _check_success(run: JobRun, reference: dict, pids_before: dict[int, int], replaced: set[int], cause: str, max_steps_lost: int) -> dict:
+    assert run.wait() == 0, run.output()[-4000:]
+    results = run.results()
+    assert_bitwise(results, reference)
+    for rank, pid in pids_before.items():
+        if rank in replaced:
+            assert results[rank]["pid"] != pid, f"rank {rank} should run in a spare now"
+        else:
+            assert results[rank]["pid"] == pid, f"survivor rank {rank} changed PID {pid} -> {results[rank]['pid']}"
+    assert run.stray_files() == [], "the job wrote files besides its outputs (a checkpoint?)"
+    done = [m for m in run.migrations() if m["outcome"] == "success"]
+    assert done, run.output()[-3000:]
+    last = done[-1]
+    assert last["cause"] == cause and last["classification"] == "qualifying", last
+    assert set(map(int, last["replaced"])) <= replaced
+    assert last["bytes_moved"] > 0 and last["steps_lost"] <= max_steps_lost, last
+    report = run.report()
+    assert report["success_rate"] == 1.0 and report["qualifying"] == len(done)
+    return last
+
+
+@pytest.mark.parametrize("name", list(JOBS_BY_NAME))
+def test_sigkill_random_rank_random_step(tmp_path: Path, reference: Callable[[str], dict], name: str) -> None:
+    _, nproc = JOBS_BY_NAME[name]
+    rng = fault_rng(f"sigkill-{name}")
+    rank, step = rng.randrange(nproc), rng.randint(3, STEPS - 3)
+    run = _start(tmp_path, name)
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject("kill", rank=rank)
+    last = _check_success(run, reference(name), pids, {rank}, "kill", max_steps_lost=0 if name == "zero0" else 1)
+    assert last["failed_ranks"] == [rank]
+    # Replicated state comes from a data-parallel replica, ZeRO-sharded state from a buddy copy.
+    sharded = {"zero0": set(), "zero3": {"params", "optimizer"}}.get(name, {"optimizer"})
+    for cls, sources in last["sources"][str(rank)]["from"].items():
+        if cls in sharded:
+            assert all(s["copy"] in (f"held:{rank}", "snapshot") for s in sources), (cls, sources)
+        else:
+            assert all(s["copy"] in ("live", "snapshot") and s["rank"] != rank for s in sources), (cls, sources)
+
+
+def test_sigstop_hang_recovers_within_heartbeat_timeout(tmp_path: Path, reference: Callable[[str], dict]) -> None:
+    rng = fault_rng("sigstop-zero2")
+    rank, step = rng.randrange(2), rng.randint(3, STEPS - 3)
+    run = _start(tmp_path, "zero2")
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject("hang", rank=rank)
+    last = _check_success(run, reference("zero2"), pids, {rank}, "hang", max_steps_lost=1)
+    # fast_detect: heartbeat timeout 3 s, far below any collective timeout.
+    assert last["timings"]["detect"] < 3.0 + 2.0, last["timings"]
+
+
+def test_sigterm_is_a_planned_migration(tmp_path: Path, reference: Callable[[str], dict]) -> None:
+    rng = fault_rng("sigterm-zero2")
+    rank, step = rng.randrange(2), rng.randint(3, STEPS - 3)
+    run = _start(tmp_path, "zero2")
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject("term", rank=rank)
+    last = _check_success(run, reference("zero2"), pids, {rank}, "planned", max_steps_lost=0)
+    # A draining rank hands over its own state, the sharded partitions included.
+    assert all(s["rank"] == rank for srcs in last["sources"][str(rank)]["from"].values() for s in srcs), last["sources"]
+
+
+def test_kill_inside_the_commit_rolls_back_to_snapshots(tmp_path: Path, reference: Callable[[str], dict]) -> None:
+    """Rank 1 dies in its optimizer step of step 6 (configs/chaos/kill_in_commit.yaml).
+
+    The survivor has updated its partition and is caught in ZeRO's post-step
+    all-gather: it is dirty, restores its own snapshot of step 5, and step 6 is
+    executed again.
+    """
+    run = _start(tmp_path, "zero2", extra=["--chaos", "kill_in_commit"])
+    run.wait_step(0, 2)
+    pids = run.active_pids()
+    last = _check_success(run, reference("zero2"), pids, {1}, "kill", max_steps_lost=1)
+    assert last["target_step"] == 6, last
+    assert [src["copy"] for src in last["sources"]["0"]["from"]["optimizer"]] == ["snapshot"], last["sources"]
+
+
+def test_misspelled_key_fails_before_training(tmp_path: Path) -> None:
+    block = '{"enabled": true, "buddy_interval_step": 2}'
+    run = launch(tmp_path, JOB, [*ARGS, "--zero", "1", "--config-form", "args", "--block", block], nproc=2, spares=0)
+    assert run.wait() != 0
+    out = run.output()
+    assert 'DeepSpeed config block "torchpass": unknown key buddy_interval_step' in out, out[-3000:]
+    assert "did you mean 'buddy_interval_steps'?" in out
+    assert not any((tmp_path / "progress").iterdir()), "a step started before the config was rejected"
