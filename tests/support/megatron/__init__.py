@@ -1,0 +1,1 @@
+"""Test support for the Megatron adapter: the CPU shim, the e2e job, and a Megatron-LM stand-in."""
