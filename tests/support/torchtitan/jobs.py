@@ -1,0 +1,85 @@
+"""Start TorchTitan jobs for the tests: the test job config, the layouts, the CPU test-support environment.
+
+Every job runs TorchTitan's real trainer and llama3 "debugmodel" through the
+adapter's entry point, on CPU/gloo via this directory's ``sitecustomize``,
+with the probe recording what the harness compares (see ``probe.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.harness import REPO, JobRun, free_port, launch
+
+from .assets import Assets
+
+__all__ = ["ENTRY_POINT", "JOB_TOML", "LAYOUTS", "STEPS", "job_args", "job_env", "launch_titan", "torchrun_titan"]
+
+SUPPORT = Path(__file__).resolve().parent
+JOB_TOML = SUPPORT / "job.toml"
+ENTRY_POINT = "torchpass.adapters.torchtitan.train"
+STEPS = 8
+"""``[training] steps`` of ``job.toml``."""
+
+LAYOUTS: dict[str, list[str]] = {
+    "ddp": ["--parallelism.data_parallel_replicate_degree", "4"],
+    "hsdp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+    "fsdp": ["--parallelism.data_parallel_shard_degree", "4"],
+    "tp_fsdp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
+}
+"""TorchTitan flags of each tested layout over 4 ranks."""
+
+
+def job_env(hf_cache: Path) -> dict[str, str]:
+    """What a test job needs in its environment: the CPU shim, the probe, an offline private datasets cache."""
+    return {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SUPPORT), os.environ.get("PYTHONPATH", "")])),
+        "TORCHPASS_TEST_TORCHTITAN_CPU": "1",
+        "TORCHPASS_TEST_TORCHTITAN_PROBE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(hf_cache),
+    }
+
+
+def job_args(layout: str, assets: Assets, extra: list[str] | None = None, config_file: Path = JOB_TOML) -> list[str]:
+    """TorchTitan's command line for ``layout``; the dump folder is the job's working directory."""
+    return ["--job.config_file", str(config_file), "--job.dump_folder", ".", *assets.overrides(), *LAYOUTS[layout], *(extra or [])]
+
+
+def launch_titan(
+    workdir: Path, layout: str, assets: Assets, hf_cache: Path, *, extra: list[str] | None = None, config_file: Path = JOB_TOML
+) -> JobRun:
+    """``torchpass launch`` 4 ranks and a spare running the adapter's entry point."""
+    return launch(workdir, ENTRY_POINT, job_args(layout, assets, extra, config_file), module=True, env=job_env(hf_cache))
+
+
+def torchrun_titan(
+    workdir: Path,
+    layout: str,
+    assets: Assets,
+    hf_cache: Path,
+    *,
+    extra: list[str] | None = None,
+    config_file: Path = JOB_TOML,
+    timeout: float = 600.0,
+) -> JobRun:
+    """Run the adapter's entry point to completion under plain ``torchrun`` (4 ranks, no torchpass)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    log = workdir / "torchrun.log"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+        "-m", ENTRY_POINT, *job_args(layout, assets, extra, config_file),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **job_env(hf_cache)}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=workdir, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    run = JobRun(workdir, [proc], [log], workdir / "run")
+    if run.wait(timeout) != 0:
+        raise AssertionError(f"torchrun job failed:\n{run.output()[-4000:]}")
+    return run
