@@ -1,0 +1,148 @@
+"""torchpass against checkpoint restart and torchft on the same failure schedule (issue 5).
+
+    python -m bench.compare                 # configs/bench/full.yaml
+    python -m bench.compare --quick         # configs/bench/quick.yaml, under 5 minutes on 2 cores
+    python -m bench.compare --quick workload.steps=20 strategies=[baseline,torchpass]
+
+Runs every strategy without faults (the steady state and the reference wall
+time) and every fault-tolerant one with the seeded failure schedule, measures
+loopback TCP throughput for the migrated state's size and the control plane's
+scaling, then writes ``<out>/<name>/results.json``, ``docs/benchmarks.md`` and
+``docs/img/benchmark_<name>.png``, and prints the page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.metadata
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import BenchConfig, load_config
+from .control_plane import markdown as control_plane_markdown
+from .control_plane import measure as control_plane_measure
+from .core_bench import loopback_tcp
+from .metrics import figures, time_lost_per_fault
+from .report import markdown, plot_progress
+from .runner import run_strategy
+from .schedule import fault_schedule
+from .strategies import REPO
+from .workload import parameter_count, state_bytes
+
+__all__ = ["main", "compare"]
+
+
+def _machine() -> str:
+    model = next(
+        (line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")),
+        platform.processor() or "unknown CPU",
+    )
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{model}, {os.cpu_count()} CPUs, {mem:.0f} GiB, {platform.system()} {platform.release()}"
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "torchft", "torchpass"):
+        out[dist] = importlib.metadata.version(dist)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
+    """Run the comparison ``cfg`` describes; the results as a JSON-able mapping."""
+    wl = cfg.workload
+    faults = fault_schedule(cfg.schedule, wl.steps, cfg.world_size)
+    out_dir = REPO / cfg.out / cfg.name
+    fault_tolerant = [s for s in cfg.strategies if s != "baseline"]
+    records = {}
+    # Fault-free runs first, in the configured order, then the runs with faults.
+    for name in cfg.strategies:
+        records[(name, "clean")] = run_strategy(name, cfg, [], out_dir / f"{name}-clean")
+    for name in fault_tolerant:
+        records[(name, "faults")] = run_strategy(name, cfg, faults, out_dir / f"{name}-faults")
+    runs: dict[str, dict[str, Any]] = {}
+    for (name, kind), record in records.items():
+        fig = figures(record, wl.steps, cfg.world_size, wl.batch_per_rank)
+        runs.setdefault(name, {})[kind] = {
+            **dataclasses.asdict(fig),
+            "fault_s": [t - record.t_launch for t in record.fault_times],
+        }
+    for name, run in runs.items():
+        if "baseline" in runs:
+            run["steady_ratio"] = run["clean"]["step_s"] / runs["baseline"]["clean"]["step_s"]
+        if "faults" in run:
+            clean = figures(records[(name, "clean")], wl.steps, cfg.world_size, wl.batch_per_rank)
+            faulty = figures(records[(name, "faults")], wl.steps, cfg.world_size, wl.batch_per_rank)
+            run["time_lost_per_fault_s"] = time_lost_per_fault(faulty, clean, cfg.world_size, wl.batch_per_rank)
+    results: dict[str, Any] = {
+        "command": command,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": _machine(),
+        "versions": _versions(),
+        "config": dataclasses.asdict(cfg),
+        "params": parameter_count(wl),
+        "state_bytes": state_bytes(wl),
+        "world_size": cfg.world_size,
+        "faults": [dataclasses.asdict(f) for f in faults],
+        "out_dir": str(out_dir.relative_to(REPO)) if out_dir.is_relative_to(REPO) else str(out_dir),
+        "runs": runs,
+        "notes": [],
+    }
+    tp = runs.get("torchpass", {}).get("faults")
+    if tp:
+        results["time_to_n_ratio"] = {
+            f"vs {name}": tp["wall_s"] / runs[name]["faults"]["wall_s"] for name in ("checkpoint", "torchft") if "faults" in runs.get(name, {})
+        }
+    if tp and tp["bytes_moved"]:
+        per_migration = tp["bytes_moved"] // max(1, len(tp["recoveries"]))
+        tcp = loopback_tcp(per_migration)
+        fetch_gbps = tp["bytes_moved"] / tp["fetch_s"] / 1e9 if tp["fetch_s"] else 0.0
+        results["transfer"] = {
+            "state_bytes": per_migration,
+            "fetch_GBps": fetch_gbps,
+            "loopback_GBps": tcp["touched"],
+            "loopback_fresh_GBps": tcp["fresh"],
+            "ratio": fetch_gbps / tcp["touched"],
+        }
+    results["control_plane"] = [control_plane_measure(size, _free_port()) for size in cfg.control_plane_sizes]
+    return results
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="configs/bench/quick.yaml instead of full.yaml")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload.steps=40")
+    args = p.parse_args()
+    cfg = load_config("quick" if args.quick else "full", args.overrides)
+    command = shlex.join(["python", "-m", "bench.compare", *sys.argv[1:]])
+    results = compare(cfg, command)
+    out_dir = REPO / cfg.out / cfg.name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    plot_name = f"benchmark_{cfg.name}.png"
+    plot_path = (REPO / "docs" / "img" / plot_name) if cfg.docs else out_dir / plot_name
+    plot_progress(results, plot_path)
+    table = control_plane_markdown(results["control_plane"]) if results["control_plane"] else ""
+    page = markdown(results, f"img/{plot_name}", table)
+    if cfg.docs:
+        (REPO / "docs" / "benchmarks.md").write_text(page)
+    (out_dir / "benchmarks.md").write_text(page)
+    print(page)
+
+
+if __name__ == "__main__":
+    main()

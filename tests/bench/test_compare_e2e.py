@@ -1,0 +1,35 @@
+"""The comparison benchmark's smallest configuration runs end to end, so the driver and job scripts do not rot.
+
+Only torchpass (a fault-free run and a run with one fault) on a tiny model; no timing is asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(180)
+def test_quick_comparison_smallest(tmp_path: Path) -> None:
+    overrides = [
+        "workload.steps=6", "workload.d_model=64", "workload.layers=1", "workload.heads=2", "workload.vocab=512",
+        "schedule.checkpoint_every=1", "schedule.min_gap_k=3", "schedule.max_gap_k=3", "schedule.tail_steps=2",
+        "strategies=[torchpass]", "control_plane_sizes=[64]", "docs=false", f"out={tmp_path}",
+    ]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "bench.compare", "--quick", *overrides], cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads((tmp_path / "quick" / "results.json").read_text())
+    run = results["runs"]["torchpass"]
+    assert run["faults"]["faults"] == 1
+    assert run["faults"]["steps_recomputed"] == 0 and run["faults"]["samples_skipped"] == 0
+    assert run["faults"]["recoveries"][0]["phases"]["transfer"] > 0
+    assert results["transfer"]["loopback_GBps"] > 0
+    assert (tmp_path / "quick" / "benchmark_quick.png").exists()
+    assert "## Against the goals" in (tmp_path / "quick" / "benchmarks.md").read_text()
