@@ -30,7 +30,7 @@ from .config import BenchConfig, load_config
 from .control_plane import markdown as control_plane_markdown
 from .control_plane import measure as control_plane_measure
 from .core_bench import loopback_tcp
-from .metrics import figures, time_lost_per_fault
+from .metrics import figures, time_lost_per_fault, time_lost_per_fault_paced
 from .report import markdown, plot_progress
 from .runner import run_strategy
 from .schedule import fault_schedule
@@ -88,6 +88,7 @@ def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
             clean = figures(records[(name, "clean")], wl.steps, cfg.world_size, wl.batch_per_rank)
             faulty = figures(records[(name, "faults")], wl.steps, cfg.world_size, wl.batch_per_rank)
             run["time_lost_per_fault_s"] = time_lost_per_fault(faulty, clean, cfg.world_size, wl.batch_per_rank)
+            run["time_lost_per_fault_paced_s"] = time_lost_per_fault_paced(faulty, clean, wl.steps, cfg.world_size, wl.batch_per_rank)
     results: dict[str, Any] = {
         "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

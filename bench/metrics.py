@@ -13,6 +13,7 @@ Definitions (the same for every strategy):
   trained (torchft trains only the participating groups' batches);
 * steady-state step time: mean period between first completions of steps
   ``w+1..N`` of a fault-free run (checkpoint saves included), ``w`` warm-up steps;
+  pace: the same period in a run with faults, up to its first fault;
 * recovery of a fault: torchpass's ledger timings; for the others, from the rank
   logs: restart and re-initialisation, then the steps recomputed until the
   restarted processes complete the step the job had reached (checkpoint); the
@@ -28,7 +29,7 @@ from typing import Any
 
 from .runner import RunRecord
 
-__all__ = ["RunFigures", "figures", "time_lost_per_fault"]
+__all__ = ["RunFigures", "figures", "time_lost_per_fault", "time_lost_per_fault_paced"]
 
 
 @dataclass
@@ -50,6 +51,8 @@ class RunFigures:
     """Samples of the N steps never trained."""
     step_s: float
     """Mean step period after warm-up (meaningful for fault-free runs)."""
+    pace_s: float
+    """Mean step period from warm-up to the first fault: the run's own undisturbed pace."""
     recoveries: list[dict[str, Any]] = field(default_factory=list)
     """Per fault: step, rank, ``total_s`` and the phases, in seconds."""
     bytes_moved: int = 0
@@ -90,6 +93,8 @@ def figures(run: RunRecord, n_steps: int, world: int, batch: int) -> RunFigures:
     first = _first_completion(steps)
     w = min(max(3, n_steps // 5), n_steps - 1)
     step_s = (first[n_steps] - first[w]) / (n_steps - w) if w in first else (first[n_steps] - run.t_launch) / n_steps
+    first_fault = min((f.at_step for f in run.faults[: len(run.fault_times)]), default=n_steps)
+    pace_s = (first[first_fault] - first[w]) / (first_fault - w) if w in first and first_fault > w else step_s
     out = RunFigures(
         strategy=run.strategy,
         faults=len(run.fault_times),
@@ -99,6 +104,7 @@ def figures(run: RunRecord, n_steps: int, world: int, batch: int) -> RunFigures:
         steps_discarded=discarded,
         samples_skipped=skipped,
         step_s=step_s,
+        pace_s=pace_s,
         progress=[(r["t"] - run.t_launch, r["step"]) for r in steps],
     )
     if run.strategy == "torchpass":
@@ -186,3 +192,13 @@ def time_lost_per_fault(faulty: RunFigures, clean: RunFigures, world: int, batch
         return None
     extra_steps = (faulty.samples_skipped - clean.samples_skipped) / (world * batch)
     return (faulty.train_s - clean.train_s + extra_steps * clean.step_s) / faulty.faults
+
+
+def time_lost_per_fault_paced(faulty: RunFigures, clean: RunFigures, n_steps: int, world: int, batch: int) -> float | None:
+    """The same, against the faulty run's own pace before its first fault instead of another run: training time
+    minus ``N - 1`` steps at that pace, plus the extra skipped samples at that pace. Insensitive to the machine
+    being faster or slower in one run than in the other (a shared machine), sensitive to the pace's own noise."""
+    if faulty.faults == 0:
+        return None
+    extra_steps = (faulty.samples_skipped - clean.samples_skipped) / (world * batch)
+    return (faulty.train_s - (n_steps - 1 - extra_steps) * faulty.pace_s) / faulty.faults

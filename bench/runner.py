@@ -25,7 +25,7 @@ __all__ = ["RunRecord", "run_strategy", "read_logs"]
 
 POLL_S = 0.02
 """How often the driver reads the logs: the delay between reaching a fault's step and injecting it."""
-EXIT_GRACE_S = 30.0
+EXIT_GRACE_S = 10.0
 """How long processes may take to exit after step N before they are killed."""
 
 

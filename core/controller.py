@@ -98,6 +98,7 @@ class _Migration:
     members: dict[int, str] = field(default_factory=dict)
     """Rank -> worker of the generation being planned (the old members plus the plan's joins)."""
     last_scan: float = 0.0
+    """When the controller last looked for silent members while collecting statuses."""
 
 
 class Controller:
@@ -393,6 +394,9 @@ class Controller:
             draining=set(draining),
             deadline=now + self.config.report_timeout_s,
             message=message,
+            # Right after the failure nobody has reported yet: the first look for silent members (a read of every
+            # member's heartbeat) waits its interval instead of delaying the plan in large jobs.
+            last_scan=now,
         )
         self.say(f"generation {self.generation} ended: {message}")
 
