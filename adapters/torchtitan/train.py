@@ -7,19 +7,53 @@
 
 takes exactly TorchTitan's command line (``--job.config_file``, ``--section.key
 value`` overrides). Started by ``torchrun`` instead, it behaves like
-``python -m torchtitan.train``.
+``python -m torchtitan.train``. A job that names no ``custom_config_module``
+of its own gets torchpass's (:func:`with_torchpass_section`), so a TOML with
+just a ``[torchpass]`` section is accepted.
 """
 
 import sys
+import tomllib
+from pathlib import Path
 
 from torchtitan.config import ConfigManager
 from torchtitan.train import main
 
 from torchpass.adapters.torchtitan.trainer import TorchPassTrainer
 
+SECTION_MODULE = "torchpass.adapters.torchtitan.job_config"
+
+
+def _option(argv: list[str], name: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def with_torchpass_section(argv: list[str]) -> list[str]:
+    """``argv`` plus ``--job.custom_config_module`` naming torchpass's section, unless the job names its own.
+
+    TorchTitan rejects a TOML section no config module declares; a job with
+    its own ``custom_config_module`` declares the section there (see
+    docs/adapters/torchtitan.md) and is left as it is.
+    """
+    if _option(argv, "--job.custom_config_module") is not None:
+        return argv
+    config_file = _option(argv, "--job.config_file")
+    if config_file is not None:
+        with Path(config_file).open("rb") as f:
+            if "custom_config_module" in tomllib.load(f).get("job", {}):
+                return argv
+    return [*argv, "--job.custom_config_module", SECTION_MODULE]
+
+
 if __name__ == "__main__":
+    argv = with_torchpass_section(sys.argv[1:])
     # TorchTitan binds the default of `ConfigManager.parse_args(args=sys.argv[1:])` when
     # torchtitan.config is first imported. A torchpass hot spare imports this module while
     # it waits for a rank, before its command line is the job's: bind it again, now.
-    ConfigManager.parse_args.__defaults__ = (sys.argv[1:],)
+    ConfigManager.parse_args.__defaults__ = (argv,)
     main(TorchPassTrainer)

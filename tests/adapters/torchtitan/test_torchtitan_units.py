@@ -82,6 +82,21 @@ def test_torchtitan_reads_the_section_through_its_custom_config_module(tmp_path:
     assert section_settings(config.torchpass) == {"buddy_interval_steps": 2, "redundancy": "buddy", "chaos": {"kill_rank": 1}}
 
 
+def test_the_entry_point_declares_the_section_unless_the_job_names_its_own_module(tmp_path: Path) -> None:
+    from torchtitan.config import ConfigManager
+
+    from torchpass.adapters.torchtitan.train import with_torchpass_section
+
+    bare = tmp_path / "bare.toml"
+    bare.write_text("[torchpass]\nbuddy_interval_steps = 3\n")
+    config = ConfigManager().parse_args(with_torchpass_section(["--job.config_file", str(bare)]))
+    assert section_settings(config.torchpass) == {"buddy_interval_steps": 3}
+    own = ["--job.config_file", str(_write_toml(tmp_path / "own.toml", ""))]
+    assert with_torchpass_section(own) == own
+    flagged = ["--job.config_file", str(bare), "--job.custom_config_module=my.module"]
+    assert with_torchpass_section(flagged) == flagged
+
+
 def test_torchtitan_rejects_an_unknown_key_in_the_section(tmp_path: Path) -> None:
     from torchtitan.config import ConfigManager
 
