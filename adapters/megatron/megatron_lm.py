@@ -17,9 +17,8 @@
    ``train()`` through its module global) raises a clear error when
    ``--torchpass`` was given instead of training without live migration.
 
-``torchpass launch`` is meant to call this before it runs the script (see
-docs/adapters/megatron.md for the worker-bootstrap change that needs). A
-script can also pass the provider itself: ``pretrain(...,
+``torchpass launch`` calls this when the script imports ``megatron.training``
+and was given ``--torchpass`` (:mod:`.integration`). A script can also pass the provider itself: ``pretrain(...,
 extra_args_provider=add_torchpass_args)``.
 """
 
