@@ -52,7 +52,10 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "inject":
         from .inject import inject
 
-        pids = inject(args.run_dir, args.fault, rank=args.rank, wid=args.worker)
+        try:
+            pids = inject(args.run_dir, args.fault, rank=args.rank, wid=args.worker)
+        except (LookupError, FileNotFoundError) as exc:
+            raise SystemExit(f"torchpass inject: {exc}") from None
         print(f"sent {args.fault} to pid(s) {', '.join(map(str, pids))}")
     elif args.command == "migrate":
         from .inject import request_migration
