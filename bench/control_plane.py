@@ -11,8 +11,11 @@ controller does the same work as in a job of N ranks.
 Measured per size, for one SIGKILLed rank replaced by a spare:
 
 * the controller's busy time (the sum of its ``tick()`` calls) from the failure
-  report to the published plan (reading statuses and mirrors, planning), from
-  the last ready report to ``go``, and from ``go`` to the closed ledger entry;
+  report to the migration's start, from the statuses to the published plan
+  (reading statuses and mirrors, planning), from the last ready report to
+  ``go``, and from ``go`` to the closed ledger entry;
+* the critical path: the part of the first three phases before the write the
+  members wait for (``end``, the plan, ``go``);
 * the store operations the controller issued in those phases;
 * the size of the plan every member reads, and the store operations one
   surviving worker issues (constant by design).
@@ -54,11 +57,13 @@ whole: megabyte-sized batches slow it down far more than many small ones)."""
 
 
 class CountingStore:
-    """Delegates to a store and counts the operations issued through it."""
+    """Delegates to a store, counts the operations issued through it and notes when each key was written."""
 
     def __init__(self, store: dist.Store):
         self._store = store
         self.ops = 0
+        self.written: dict[str, float] = {}
+        """Key -> ``perf_counter()`` after its last ``set`` / ``compare_set`` returned."""
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
@@ -67,7 +72,10 @@ class CountingStore:
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             self.ops += 1
-            return attr(*args, **kwargs)
+            result = attr(*args, **kwargs)
+            if name in ("set", "compare_set"):
+                self.written[args[0]] = time.perf_counter()
+            return result
 
         return counted
 
@@ -82,6 +90,8 @@ class PhaseCost:
     """``tick()`` calls until the phase's outcome appeared."""
     store_ops: int = 0
     """Store operations the controller issued in the phase."""
+    published_s: float = 0.0
+    """From the phase's first tick to the write the members wait for (the rest of the tick overlaps their work)."""
 
 
 def _multi_set(store: dist.Store, items: dict[str, bytes]) -> None:
@@ -156,10 +166,16 @@ class SimulatedJob:
         self.store.add(Keys.count(generation, what), self.size)
 
 
-def _drive(controller: Controller, counting: CountingStore, until: Callable[[], bool], max_ticks: int = 1000) -> PhaseCost:
-    """Tick the controller until ``until()``; fail loudly if it stops the job or never gets there."""
+def _drive(
+    controller: Controller, counting: CountingStore, until: Callable[[], bool], publishes: str | None = None, max_ticks: int = 1000
+) -> PhaseCost:
+    """Tick the controller until ``until()``; fail loudly if it stops the job or never gets there.
+
+    ``publishes``: the key whose write ends the phase for the members (its time goes to ``published_s``).
+    """
     cost = PhaseCost()
     start_ops = counting.ops
+    t_first = time.perf_counter()
     while not until():
         if controller.outcome is not None:
             raise RuntimeError(f"the controller stopped the simulated job: {controller.outcome[1]}")
@@ -170,6 +186,8 @@ def _drive(controller: Controller, counting: CountingStore, until: Callable[[], 
         cost.busy_s += time.perf_counter() - t0
         cost.ticks += 1
     cost.store_ops = counting.ops - start_ops
+    if publishes is not None:
+        cost.published_s = counting.written[publishes] - t_first
     return cost
 
 
@@ -190,12 +208,12 @@ def measure(size: int, port: int) -> dict[str, Any]:
 
         failed = size // 2
         job.kill(failed)
-        detect = _drive(controller, counting, lambda: controller.migration is not None)
+        detect = _drive(controller, counting, lambda: controller.migration is not None, publishes=Keys.end(0))
         job.report_statuses(0, failed)
-        plan = _drive(controller, counting, lambda: workers.check([Keys.plan(1)]))
+        plan = _drive(controller, counting, lambda: workers.check([Keys.plan(1)]), publishes=Keys.plan(1))
         plan_bytes = len(workers.get(Keys.plan(1)))
         job.report(1, "ready", lambda r: b"ready")
-        go = _drive(controller, counting, lambda: workers.check([Keys.go(1)]))
+        go = _drive(controller, counting, lambda: workers.check([Keys.go(1)]), publishes=Keys.go(1))
         if workers.get(Keys.go(1)) != b"go":
             raise RuntimeError(f"generation 1 was aborted: {workers.get(Keys.go(1)).decode()}")
         job.report(1, "done", lambda r: json.dumps({"t_done": time.time(), "bytes": 1 << 20}).encode())
@@ -206,8 +224,9 @@ def measure(size: int, port: int) -> dict[str, Any]:
         "ranks": size,
         **{f"{name}_s": cost.busy_s for name, cost in phases.items()},
         **{f"{name}_ops": cost.store_ops for name, cost in phases.items()},
-        # Until ``go`` the members wait for the controller; closing the ledger entry overlaps training.
-        "critical_s": detect.busy_s + plan.busy_s + go.busy_s,
+        # What the members wait for: the controller's time until it writes ``end``, the plan and ``go``. The
+        # rest of those ticks (workers.json) and closing the ledger entry overlap their work.
+        "critical_s": detect.published_s + plan.published_s + go.published_s,
         "total_s": sum(cost.busy_s for cost in phases.values()),
         "total_ops": sum(cost.store_ops for cost in phases.values()),
         "plan_bytes": plan_bytes,

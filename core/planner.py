@@ -87,6 +87,9 @@ class _Index:
         for holder, st in sorted(self.reporting.items()):
             for src, versions in st.holds.items():
                 self.held.setdefault(int(src), []).append((holder, set(versions)))
+        # State classes with the same replica sets (a DDP rank's params, optimizer and global state) share their
+        # source lists: each is O(replica set) to build, which is the whole job in data parallelism.
+        self._sources: dict[tuple[str, tuple[str, ...], int, int], list[tuple[int, str]]] = {}
 
     def usable(self, rank: int) -> Status | None:
         return self.reporting.get(rank)
@@ -96,7 +99,17 @@ class _Index:
         return st is not None and st.clean and st.version == version
 
     def sources(self, rank: int, state_class: str, version: int) -> list[tuple[int, str]]:
-        """Copies of ``rank``'s ``state_class`` state at ``version`` held by other reporting ranks."""
+        """Copies of ``rank``'s ``state_class`` state at ``version`` held by other reporting ranks.
+
+        Classes with the same replica sets get the same list object (callers must not modify it).
+        """
+        cls = self.inp.layout.state_classes[state_class]
+        key = (cls.grid, tuple(cls.identical_along), rank, version)
+        if key not in self._sources:
+            self._sources[key] = self._find_sources(rank, state_class, version)
+        return self._sources[key]
+
+    def _find_sources(self, rank: int, state_class: str, version: int) -> list[tuple[int, str]]:
         out: list[tuple[int, str]] = []
         for r in self.inp.layout.replica_set(rank, state_class):
             st = self.reporting.get(r)
@@ -251,7 +264,12 @@ def plan_migration(inp: PlanInput) -> Plan | Disqualified:
         node_of_rank[rank] = inp.node_of.get(wid, -1)
     used: set[int] = set()
     for rank, plan in rank_plans.items():
-        plan.fetch = {cls: _nearest(src, rank, node_of_rank, inp.max_sources) for cls, src in plan.fetch.items()}  # type: ignore[arg-type]
+        # One choice per distinct source list (shared by the classes with the same replica sets).
+        nearest: dict[int, list[list[Any]]] = {}
+        for src in plan.fetch.values():
+            if id(src) not in nearest:
+                nearest[id(src)] = _nearest(src, rank, node_of_rank, inp.max_sources)  # type: ignore[arg-type]
+        plan.fetch = {cls: [list(s) for s in nearest[id(src)]] for cls, src in plan.fetch.items()}
         used.update(r for sources in plan.fetch.values() for r, _ in sources)
         if "/" in plan.small_from:
             used.add(int(plan.small_from.split("/", 1)[0]))

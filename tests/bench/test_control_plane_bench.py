@@ -17,7 +17,7 @@ def test_one_migration_at_64_ranks() -> None:
     row = measure(64, _free_port())
     assert row["ranks"] == 64
     assert row["plan_bytes"] > 0
-    assert row["critical_s"] == row["detect_s"] + row["plan_s"] + row["go_s"]
+    assert 0 < row["critical_s"] <= row["detect_s"] + row["plan_s"] + row["go_s"]
     # Reading whole generations goes through batched requests: a handful of operations per phase.
     assert row["total_ops"] < 100
     assert "| 64 |" in markdown([row])
