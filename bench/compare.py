@@ -21,6 +21,7 @@ import os
 import platform
 import shlex
 import socket
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -74,6 +75,15 @@ def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
         records[(name, "clean")] = run_strategy(name, cfg, [], out_dir / f"{name}-clean")
     for name in fault_tolerant:
         records[(name, "faults")] = run_strategy(name, cfg, faults, out_dir / f"{name}-faults")
+    pairs: list[tuple[float, float]] = []
+    if {"baseline", "torchpass"} <= set(cfg.strategies):
+        step_of = {name: figures(records[(name, "clean")], wl.steps, cfg.world_size, wl.batch_per_rank).step_s for name in ("baseline", "torchpass")}
+        pairs.append((step_of["baseline"], step_of["torchpass"]))
+        for i in range(1, cfg.steady_rounds):
+            order = ("torchpass", "baseline") if i % 2 else ("baseline", "torchpass")
+            for name in order:
+                step_of[name] = figures(run_strategy(name, cfg, [], out_dir / f"{name}-steady{i}"), wl.steps, cfg.world_size, wl.batch_per_rank).step_s
+            pairs.append((step_of["baseline"], step_of["torchpass"]))
     runs: dict[str, dict[str, Any]] = {}
     for (name, kind), record in records.items():
         fig = figures(record, wl.steps, cfg.world_size, wl.batch_per_rank)
@@ -84,6 +94,9 @@ def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
     for name, run in runs.items():
         if "baseline" in runs:
             run["steady_ratio"] = run["clean"]["step_s"] / runs["baseline"]["clean"]["step_s"]
+    if pairs:
+        runs["torchpass"]["steady_rounds"] = [{"baseline_step_s": b, "torchpass_step_s": t, "ratio": t / b} for b, t in pairs]
+        runs["torchpass"]["steady_ratio"] = statistics.median(t / b for b, t in pairs)
         if "faults" in run:
             clean = figures(records[(name, "clean")], wl.steps, cfg.world_size, wl.batch_per_rank)
             faulty = figures(records[(name, "faults")], wl.steps, cfg.world_size, wl.batch_per_rank)

@@ -75,6 +75,9 @@ class BenchConfig:
     """Data-parallel ranks (one node, gloo)."""
     strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
     """Which strategies to run (``baseline`` runs without faults, the others with and without)."""
+    steady_rounds: int = 1
+    """Fault-free baseline/torchpass pairs for the steady-state ratio (the median over rounds is reported; on a
+    shared machine one pair's ratio moves by several percent from run to run). Extra rounds alternate the order."""
     torchpass_preset: str = "default"
     """``torchpass launch --config`` preset."""
     lighthouse_tick_ms: int = 100

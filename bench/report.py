@@ -160,6 +160,14 @@ def markdown(results: dict[str, Any], plot: str, control_plane_table: str) -> st
         "done. checkpoint: from the fault to the restarted ranks completing the step the job had reached. torchft: the "
         "survivors' longest stall between two completed steps after the fault, and when the killed group trains again.",
     ]
+    rounds = results["runs"].get("torchpass", {}).get("steady_rounds") or []
+    if len(rounds) > 1:
+        lines += [
+            "",
+            f"Steady state over {len(rounds)} fault-free baseline/torchpass pairs (torchpass's ratio above is their median): "
+            + "; ".join(f"{r['baseline_step_s']:.3f} s / {r['torchpass_step_s']:.3f} s = {r['ratio']:.3f}" for r in rounds)
+            + ".",
+        ]
     transfer = results.get("transfer")
     if transfer:
         lines += [
