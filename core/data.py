@@ -12,7 +12,14 @@ stood. :class:`ReplayableData` wraps the user's iterable and
   ``DistributedSampler`` requires;
 * fast-forwards a fresh iterator to any (epoch, batch-in-epoch) position by
   drawing and dropping batches, which costs time proportional to the position
-  inside the epoch (a spare pays it once, while its state is being fetched).
+  inside the epoch (a spare pays it once, while its state is being fetched;
+  with ``lazy_fast_forward`` it pays it at its first batch instead, so that
+  per-epoch set-up the training loop does first, such as ``set_epoch``,
+  applies to the fresh iterator);
+* starts each epoch's iterator with the global torch RNG saved and restored
+  around it: a DataLoader draws its workers' base seed there, and a step
+  executed again replays its batches from memory without starting the
+  iterator, so the draw must not move the RNG stream the step's forward uses.
 """
 
 from __future__ import annotations
@@ -20,15 +27,20 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Iterable, Iterator
 
+import torch
+
 __all__ = ["ReplayableData", "DataPosition"]
 
 DataPosition = dict[str, int]
+
+_END = object()
+"""Marks an exhausted epoch (and an empty primed slot)."""
 
 
 class ReplayableData:
     """Wraps ``source`` (any re-iterable: a DataLoader, a list, a dataset)."""
 
-    def __init__(self, source: Iterable[Any], keep_steps: int = 1):
+    def __init__(self, source: Iterable[Any], keep_steps: int = 1, lazy_fast_forward: bool = False):
         if isinstance(source, Iterator):
             raise TypeError(
                 "torchpass needs a re-iterable data source (a DataLoader, a dataset), not a one-shot iterator: "
@@ -36,6 +48,9 @@ class ReplayableData:
             )
         self.source = source
         self.keep_steps = max(1, keep_steps)
+        self.lazy_fast_forward = lazy_fast_forward
+        self._skip_on_open = 0
+        """Batches the next epoch iterator drops when it opens (a lazy fast-forward)."""
         self.epoch = 0
         self.in_epoch = 0
         """Batches read from the source in the current epoch."""
@@ -44,6 +59,8 @@ class ReplayableData:
         self.position = 0
         """Batches handed to the training loop, replays excluded."""
         self._iter: Iterator[Any] | None = None
+        self._primed: Any = _END
+        """The epoch's first unread batch, read when the epoch's iterator started."""
         # (epoch, index in epoch, batch) of every batch read since the oldest kept step start.
         self._cache: deque[tuple[int, int, Any]] = deque()
         self._replay: deque[tuple[int, int, Any]] = deque()
@@ -59,32 +76,48 @@ class ReplayableData:
         self.position += 1
         return entry[2]
 
+    @property
+    def replaying(self) -> bool:
+        """Whether the next batch comes from memory (a step executed again)."""
+        return bool(self._replay)
+
     def _read(self) -> tuple[int, int, Any]:
         if self._iter is None:
-            self._start_epoch()
-        assert self._iter is not None
-        try:
-            batch = next(self._iter)
-        except StopIteration:
+            self._start_epoch(skip=self._skip_on_open)
+            self._skip_on_open = 0
+        batch = self._next_in_epoch()
+        if batch is _END:
             self.epoch += 1
             self._start_epoch()
-            try:
-                batch = next(self._iter)
-            except StopIteration:
-                raise RuntimeError("the data source yields no batches") from None
+            batch = self._next_in_epoch()
+            if batch is _END:
+                raise RuntimeError("the data source yields no batches")
         self.in_epoch += 1
         self.read += 1
         return self.epoch, self.in_epoch - 1, batch
 
-    def _start_epoch(self) -> None:
+    def _next_in_epoch(self) -> Any:
+        if self._primed is not _END:
+            batch, self._primed = self._primed, _END
+            return batch
+        assert self._iter is not None
+        return next(self._iter, _END)
+
+    def _start_epoch(self, skip: int = 0) -> None:
         sampler = getattr(self.source, "sampler", None)
         for target in (sampler, getattr(self.source, "batch_sampler", None), self.source):
             set_epoch = getattr(target, "set_epoch", None)
             if callable(set_epoch):
                 set_epoch(self.epoch)
                 break
-        self.in_epoch = 0
-        self._iter = iter(self.source)
+        # The first batch is read here too: a lazy iterator (a generator over a
+        # DataLoader) starts its DataLoader, and draws, only when first advanced.
+        with torch.random.fork_rng(devices=[]):
+            self._iter = iter(self.source)
+            for _ in range(skip):
+                next(self._iter)
+            self._primed = next(self._iter, _END)
+        self.in_epoch = skip
 
     # ---- the runtime's side ----------------------------------------------
     def mark_step(self, step: int) -> None:
@@ -137,9 +170,9 @@ class ReplayableData:
         self._cache.clear()
         self._replay.clear()
         self._marks.clear()
-        self._start_epoch()
-        assert self._iter is not None
-        for _ in range(target["in_epoch"]):
-            next(self._iter)
-        self.in_epoch = target["in_epoch"]
+        if self.lazy_fast_forward:
+            self._iter, self._primed = None, _END
+            self._skip_on_open = self.in_epoch = target["in_epoch"]
+        else:
+            self._start_epoch(skip=target["in_epoch"])
         self.read = self.position = target["position"]

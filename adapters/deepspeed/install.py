@@ -12,7 +12,9 @@ decides:
 * otherwise the engine is checked (:mod:`.support`), the block becomes the
   runtime's config, and the engine instance is hooked
   (:class:`~.migration.EngineMigration`, plus :class:`~.pipeline.TrainBatchGuard`
-  for a ``PipelineEngine``). Hooks read subclass state only when they run, so
+  for a ``PipelineEngine``, or :class:`~.dataloader_loop.EngineLoaderLoop` for
+  an engine with a training dataloader below ZeRO stage 3, so an unchanged
+  loop over that loader is migratable). Hooks read subclass state only when they run, so
   firing at the end of ``DeepSpeedEngine.__init__`` (inside a subclass's
   constructor) is early enough and late enough.
 
@@ -26,6 +28,7 @@ import sys
 from typing import Any
 
 import deepspeed
+from deepspeed.runtime.dataloader import DeepSpeedDataLoader
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
@@ -33,6 +36,7 @@ from torchpass.core import runtime
 from torchpass.core.config import TorchPassConfig
 
 from .config import block_of, resolve_block
+from .dataloader_loop import EngineLoaderLoop
 from .migration import EngineMigration
 from .pipeline import TrainBatchGuard
 from .support import check_supported
@@ -98,5 +102,8 @@ def _engine_built(engine: DeepSpeedEngine) -> None:
     migration = EngineMigration(engine, rt)
     if isinstance(engine, PipelineEngine):
         TrainBatchGuard(engine, migration).install()
+    elif isinstance(engine.training_dataloader, DeepSpeedDataLoader) and engine.zero_optimization_stage() < 3:
+        migration.loader_loop = EngineLoaderLoop(engine, migration)
+        migration.loader_loop.install()
     setattr(engine, _MIGRATION_ATTRIBUTE, migration)
     _migrating = engine

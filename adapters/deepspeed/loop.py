@@ -161,6 +161,8 @@ def steps(engine: DeepSpeedEngine, num_steps: int, *, data: Iterable[Any] | None
         for number in range(start, num_steps + 1):
             yield DeepSpeedStep(number, engine, batches)
         return
+    if migration.loader_loop is not None:
+        migration.loader_loop.delegate()
     keep = migration.runtime.config.buddy_interval_steps + 1
     batches = _replayable(source, keep_steps=keep) if source is not None else None
     for guarded in loop.steps(migration, data=batches, optimizers=[], start=start, stop=num_steps):

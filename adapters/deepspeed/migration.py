@@ -65,8 +65,10 @@ __all__ = ["EngineMigration", "OUTSIDE_STEP"]
 
 OUTSIDE_STEP = (
     "torchpass: the DeepSpeed engine took an optimizer step outside a torchpass step. With the \"torchpass\" "
-    "block enabled, drive a forward/backward/step loop with torchpass.adapters.deepspeed.steps(engine, num_steps) "
-    "(see docs/adapters/deepspeed.md), or set \"torchpass\": {\"enabled\": false} to train without live migration"
+    "block enabled, a forward/backward/step loop must draw its micro-batches from the engine's training "
+    "dataloader (training_data= of deepspeed.initialize; not at ZeRO stage 3) or iterate "
+    "torchpass.adapters.deepspeed.steps(engine, num_steps) (see docs/adapters/deepspeed.md), or set "
+    "\"torchpass\": {\"enabled\": false} to train without live migration"
 )
 
 
@@ -88,6 +90,8 @@ class EngineMigration:
         self.state = engine_state(engine)
         self._start: _StepStart | None = None
         self._model_step_done = False
+        self.loader_loop: Any = None
+        """The :class:`~.dataloader_loop.EngineLoaderLoop` owning an unchanged loop's steps, if installed."""
         self._buffers = _persistent_buffers(engine.module)
         self.state.inner.register_step_pre_hook(self._on_inner_step)
         self._take_model_step = engine._take_model_step

@@ -1,13 +1,15 @@
 """A DeepSpeed ZeRO job made migratable by the "torchpass" block of its config (CPU, gloo).
 
     torchpass launch --nproc-per-node 2 --spares-per-node 1 examples/deepspeed/train.py \
-        --deepspeed_config examples/deepspeed/ds_config.json --steps 20
+        --deepspeed_config examples/deepspeed/ds_config.json --epochs 2
 
-Then kill a rank (``torchpass inject --run-dir torchpass_run kill --rank 1``, or ``kill -9``): a spare takes
-its place and training continues from the interrupted step. ``--pipe`` trains a 2-stage pipeline instead
-(``--nproc-per-node 4``: pipeline 2 x data 2; set ``"stage": 1`` in the config, pipelines take ZeRO 0 or 1),
-whose ``engine.train_batch`` loop needs no change at all. With plain ``deepspeed``/``torchrun`` the same
-script trains the same way, without migration.
+Nothing in the script mentions torchpass: the loop is DeepSpeed's own (epochs over the training
+dataloader ``deepspeed.initialize`` returns; forward, ``engine.backward``, ``engine.step``). Kill a rank
+while it trains (``torchpass inject --run-dir torchpass_run --rank 1 --fault kill``, or ``kill -9``): a
+spare takes its place and training continues from the interrupted step. ``--pipe`` trains a 2-stage
+pipeline instead (``--nproc-per-node 4``: pipeline 2 x data 2; set ``"stage": 1`` in the config, pipelines
+take ZeRO 0 or 1) with an ``engine.train_batch`` loop. With plain ``deepspeed``/``torchrun`` the same script
+trains the same way, without migration.
 """
 
 import argparse
@@ -17,8 +19,6 @@ import torch
 from deepspeed.pipe import PipelineModule
 from deepspeed.utils import RepeatingLoader
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-
-from torchpass.adapters.deepspeed import steps
 
 
 def layers(hidden: int) -> list[torch.nn.Module]:
@@ -36,7 +36,9 @@ class Regression(torch.nn.Module):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=640, help="dataset size (640: 20 steps per epoch on 2 ranks)")
+    parser.add_argument("--steps", type=int, default=20, help="--pipe: train_batch calls")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--pipe", action="store_true", help="2-stage pipeline trained with engine.train_batch")
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -46,8 +48,8 @@ def main() -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(4096, 32, generator=g)
-    y = (x @ torch.randn(32, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(4096, generator=g)
+    x = torch.randn(args.samples, 32, generator=g)
+    y = (x @ torch.randn(32, 1, generator=g)).squeeze(1) + 0.1 * torch.randn(args.samples, generator=g)
     dataset = TensorDataset(x, y)
 
     if args.pipe:
@@ -64,18 +66,17 @@ def main() -> None:
         return
 
     model = Regression(args.hidden)
-    engine, *_ = deepspeed.initialize(args=args, model=model, model_parameters=model.parameters(), training_data=dataset)
-    for step in steps(engine, args.steps):
-        with step:
-            total = 0.0
-            for xb, yb in step.micro_batches():
-                loss = engine(xb, yb)
-                engine.backward(loss)
-                engine.step()
-                total += loss.item()
-            if engine.global_rank == 0:
-                print(f"step {step.number}: loss {total / engine.gradient_accumulation_steps():.5f}", flush=True)
-
+    engine, _, trainloader, _ = deepspeed.initialize(
+        args=args, model=model, model_parameters=model.parameters(), training_data=dataset
+    )
+    for epoch in range(args.epochs):
+        trainloader.data_sampler.set_epoch(epoch)
+        for xb, yb in trainloader:
+            loss = engine(xb, yb)
+            engine.backward(loss)
+            engine.step()
+            if engine.global_rank == 0 and engine.micro_steps % engine.gradient_accumulation_steps() == 0:
+                print(f"epoch {epoch} step {engine.global_steps}: loss {loss.item():.5f}", flush=True)
 
 if __name__ == "__main__":
     main()

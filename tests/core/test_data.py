@@ -238,3 +238,35 @@ def test_fast_forward_calls_set_epoch_with_the_target_epoch():
     assert calls == [2]
     assert take(data, 3) == reference(10)[7:10]
     assert calls == [2, 3]
+
+
+def _lazy_loader_passes(loader: DataLoader):
+    """A generator per pass, like DeepSpeed's loader: the DataLoader starts (and draws) at the first next()."""
+
+    class Passes:
+        def __iter__(self):
+            return (batch for batch in loader)
+
+    return Passes()
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_starting_an_epoch_leaves_the_global_rng_where_it_was(lazy):
+    loader = DataLoader(TensorDataset(torch.arange(8.0)), batch_size=2, shuffle=True)
+    data = ReplayableData(_lazy_loader_passes(loader) if lazy else loader)
+    torch.manual_seed(5)
+    expected = torch.get_rng_state()
+    data.next_batch()
+    assert torch.equal(torch.get_rng_state(), expected)
+
+
+def test_lazy_fast_forward_opens_the_epoch_at_the_first_batch():
+    sampler = DistributedSampler(TensorDataset(torch.arange(16.0)), num_replicas=1, rank=0, shuffle=True, seed=3)
+    loader = DataLoader(TensorDataset(torch.arange(16.0)), batch_size=2, sampler=sampler)
+    sampler.set_epoch(1)
+    reference = [b[0].tolist() for b in loader]
+    data = ReplayableData(_lazy_loader_passes(loader), lazy_fast_forward=True)
+    data.fast_forward({"position": 11, "epoch": 1, "in_epoch": 3})
+    assert (data.epoch, data.in_epoch, data.position) == (1, 3, 11)
+    sampler.set_epoch(1)  # the training loop's own per-epoch call, made after the spare attached
+    assert data.next_batch()[0].tolist() == reference[3]

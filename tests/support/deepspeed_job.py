@@ -7,6 +7,10 @@ state a migration must carry over. Two loop styles:
 * ``--zero N`` (0-3): a user-owned forward/backward/step loop driven by
   ``torchpass.adapters.deepspeed.steps`` over the engine's own training
   dataloader (``training_data=``, shuffled ``DistributedSampler``);
+* ``--loader-loop``: the loop as DeepSpeed's documentation writes it, unchanged:
+  epochs of ``for batch in trainloader`` over the loader ``deepspeed.initialize``
+  returned, ``set_epoch`` on its sampler, forward, ``engine.backward``,
+  ``engine.step()``; the loss is recorded before the step at the boundary;
 * ``--pipe``: a 2-stage ``PipelineModule`` (run it on 4 ranks: PP2 x DP2, ZeRO 1)
   trained with ``engine.train_batch(data_iter)`` in a plain ``for`` loop.
 
@@ -69,9 +73,9 @@ def ds_config(zero: int, block: dict | None) -> dict:
     return config
 
 
-def dataset() -> TensorDataset:
+def dataset(samples: int = 1024) -> TensorDataset:
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(1024, 16, generator=g)
+    x = torch.randn(samples, 16, generator=g)
     return TensorDataset(x, torch.sin(x.sum(1, keepdim=True)))
 
 
@@ -149,6 +153,9 @@ def main() -> None:
     p.add_argument("--block", default='{"enabled": true}', help='the "torchpass" block, as JSON')
     p.add_argument("--no-block", action="store_true")
     p.add_argument("--config-form", choices=("dict", "file", "args"), default="dict")
+    p.add_argument("--loader-loop", action="store_true", help="an unchanged epoch loop over the engine's training dataloader")
+    p.add_argument("--epochs", type=int, default=3, help="--loader-loop: passes over the data")
+    p.add_argument("--samples", type=int, default=48, help="--loader-loop: dataset size (48: 3 steps per epoch on 2 ranks)")
     args = p.parse_args()
     work = Path(args.workdir)
     for sub in ("progress", "out", "losses"):
@@ -196,6 +203,26 @@ def main() -> None:
             progress.write_text(str(engine.global_steps + 1))
             engine.train_batch(batches)
             time.sleep(args.step_sleep)
+    elif args.loader_loop:
+        model = Regression()
+        engine, _, trainloader, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), training_data=dataset(args.samples), **init_kwargs
+        )
+        pending: list[float] = []
+        for epoch in range(args.epochs):
+            trainloader.data_sampler.set_epoch(epoch)
+            for x, y in trainloader:
+                progress.write_text(str(engine.global_steps + 1))
+                if engine.micro_steps % GAS == 0:
+                    pending = []
+                loss = engine(x, y)
+                pending.append(float(loss.detach()))
+                engine.backward(loss)
+                if engine.is_gradient_accumulation_boundary():
+                    record(engine.global_steps + 1, sum(pending))
+                engine.step()
+                if engine.micro_steps % GAS == 0:
+                    time.sleep(args.step_sleep)
     else:
         from torchpass.adapters.deepspeed import steps
 

@@ -37,6 +37,12 @@ JOBS_BY_NAME: dict[str, tuple[list[str], int]] = {
     "zero3": (["--zero", "3"], 2),
     "pp2xdp2-zero1": (["--pipe", "--zero", "1"], 4),
 }
+LOADER_STEPS = 9
+"""``--loader-loop`` trains 3 epochs of 3 steps: random faults land on both sides of epoch boundaries."""
+LOADER_JOBS: dict[str, tuple[list[str], int]] = {
+    "loader-zero0": (["--loader-loop", "--zero", "0"], 2),
+    "loader-zero2": (["--loader-loop", "--zero", "2"], 2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +52,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]
 
     def get(name: str) -> dict:
         if name not in cache:
-            extra, nproc = JOBS_BY_NAME[name]
+            extra, nproc = {**JOBS_BY_NAME, **LOADER_JOBS}[name]
             run = launch(tmp_path_factory.mktemp(f"reference-{name}"), JOB, [*ARGS, *extra], nproc=nproc, spares=0)
             assert run.wait() == 0, run.output()[-3000:]
             assert not run.migrations()
@@ -57,7 +63,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]
 
 
 def _start(tmp_path: Path, name: str, **kwargs: Any) -> JobRun:
-    extra, nproc = JOBS_BY_NAME[name]
+    extra, nproc = {**JOBS_BY_NAME, **LOADER_JOBS}[name]
     return launch(tmp_path, JOB, [*ARGS, *extra], nproc=nproc, **kwargs)
 
 
@@ -100,6 +106,21 @@ def test_sigkill_random_rank_random_step(tmp_path: Path, reference: Callable[[st
             assert all(s["copy"] in (f"held:{rank}", "snapshot") for s in sources), (cls, sources)
         else:
             assert all(s["copy"] in ("live", "snapshot") and s["rank"] != rank for s in sources), (cls, sources)
+
+
+@pytest.mark.parametrize("name", list(LOADER_JOBS))
+def test_an_unchanged_loop_over_the_engine_dataloader_is_migratable(
+    tmp_path: Path, reference: Callable[[str], dict], name: str
+) -> None:
+    """The script's own ``for epoch: for batch in trainloader`` loop, no torchpass call in it."""
+    rng = fault_rng(f"sigkill-{name}")
+    rank, step = rng.randrange(2), rng.randint(2, LOADER_STEPS - 2)
+    run = _start(tmp_path, name)
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject("kill", rank=rank)
+    last = _check_success(run, reference(name), pids, {rank}, "kill", max_steps_lost=0 if name == "loader-zero0" else 1)
+    assert last["failed_ranks"] == [rank]
 
 
 def test_sigstop_hang_recovers_within_heartbeat_timeout(tmp_path: Path, reference: Callable[[str], dict]) -> None:
