@@ -18,7 +18,7 @@ import pytest
 from torchpass.core.control import Keys  # noqa: F401
 from torchpass.core.inject import request_migration
 
-from tests.support.harness import JOBS, assert_bitwise, fault_rng, launch
+from tests.support.harness import JOBS, assert_migrated, fault_rng, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -38,28 +38,11 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def _check_success(
     run, reference, pids_before: dict[int, int], replaced: set[int], cause: str, max_steps_lost: int = 0
 ) -> dict:
-    assert run.wait() == 0, run.output()[-4000:]
-    results = run.results()
-    assert_bitwise(results, reference)
-    for rank, pid in pids_before.items():
-        if rank in replaced:
-            assert results[rank]["pid"] != pid, f"rank {rank} should run in a spare now"
-        else:
-            assert results[rank]["pid"] == pid, f"survivor rank {rank} changed PID {pid} -> {results[rank]['pid']}"
-    assert run.stray_files() == [], "the job wrote files besides its outputs (a checkpoint?)"
-    done = [m for m in run.migrations() if m["outcome"] == "success"]
-    assert done, run.output()[-3000:]
-    last = done[-1]
-    assert last["cause"] == cause and last["classification"] == "qualifying"
-    assert set(map(int, last["replaced"])) <= replaced
-    # Replicated state resumes exactly where it stopped; buddy copies may be one interval behind.
-    assert last["bytes_moved"] > 0 and last["steps_lost"] <= max_steps_lost, last
+    last = assert_migrated(run, reference, pids_before, replaced, cause, max_steps_lost)
     for rank_s, src in last["sources"].items():
         for cls, sources in src["from"].items():
             # A rank is its own source only when draining, or rolling back to its own snapshot.
             assert all(s["rank"] != int(rank_s) or cause == "planned" or s["copy"] == "snapshot" for s in sources), (cls, sources)
-    report = run.report()
-    assert report["success_rate"] == 1.0 and report["qualifying"] == len(done)
     return last
 
 

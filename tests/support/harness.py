@@ -204,3 +204,30 @@ def assert_bitwise(run: dict[int, dict[str, Any]], reference: dict[int, dict[str
         for step, loss in ref["losses"].items():
             assert got["losses"][step] == loss, f"rank {rank} step {step}: loss {got['losses'][step]!r} != fault-free {loss!r}"
 
+
+
+def assert_migrated(
+    run: JobRun, reference: dict[int, dict[str, Any]], pids_before: dict[int, int], replaced: set[int], cause: str, max_steps_lost: int
+) -> dict[str, Any]:
+    """The semantics contract after a fault: clean exit, bitwise equal to ``reference``, survivors' PIDs kept,
+    no stray files, a qualifying successful migration of at most ``replaced`` ranks in the ledger and in
+    ``torchpass report``. Returns the last successful migration's ledger entry."""
+    assert run.wait() == 0, run.output()[-4000:]
+    results = run.results()
+    assert_bitwise(results, reference)
+    for rank, pid in pids_before.items():
+        if rank in replaced:
+            assert results[rank]["pid"] != pid, f"rank {rank} should run in a spare now"
+        else:
+            assert results[rank]["pid"] == pid, f"survivor rank {rank} changed PID {pid} -> {results[rank]['pid']}"
+    assert run.stray_files() == [], "the job wrote files besides its outputs (a checkpoint?)"
+    done = [m for m in run.migrations() if m["outcome"] == "success"]
+    assert done, run.output()[-3000:]
+    last = done[-1]
+    assert last["cause"] == cause and last["classification"] == "qualifying", last
+    assert set(map(int, last["replaced"])) <= replaced
+    # Replicated state resumes exactly where it stopped; buddy copies may be one interval behind.
+    assert last["bytes_moved"] > 0 and last["steps_lost"] <= max_steps_lost, last
+    report = run.report()
+    assert report["success_rate"] == 1.0 and report["qualifying"] == len(done)
+    return last

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import pytest
 
-from tests.support.harness import JOBS, JobRun, assert_bitwise, fault_rng, launch
+from tests.support.harness import JOBS, JobRun, assert_migrated, fault_rng, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -67,27 +67,6 @@ def _start(tmp_path: Path, name: str, **kwargs: Any) -> JobRun:
     return launch(tmp_path, JOB, [*ARGS, *extra], nproc=nproc, **kwargs)
 
 
-def _check_success(run: JobRun, reference: dict, pids_before: dict[int, int], replaced: set[int], cause: str, max_steps_lost: int) -> dict:
-    assert run.wait() == 0, run.output()[-4000:]
-    results = run.results()
-    assert_bitwise(results, reference)
-    for rank, pid in pids_before.items():
-        if rank in replaced:
-            assert results[rank]["pid"] != pid, f"rank {rank} should run in a spare now"
-        else:
-            assert results[rank]["pid"] == pid, f"survivor rank {rank} changed PID {pid} -> {results[rank]['pid']}"
-    assert run.stray_files() == [], "the job wrote files besides its outputs (a checkpoint?)"
-    done = [m for m in run.migrations() if m["outcome"] == "success"]
-    assert done, run.output()[-3000:]
-    last = done[-1]
-    assert last["cause"] == cause and last["classification"] == "qualifying", last
-    assert set(map(int, last["replaced"])) <= replaced
-    assert last["bytes_moved"] > 0 and last["steps_lost"] <= max_steps_lost, last
-    report = run.report()
-    assert report["success_rate"] == 1.0 and report["qualifying"] == len(done)
-    return last
-
-
 @pytest.mark.parametrize("name", list(JOBS_BY_NAME))
 def test_sigkill_random_rank_random_step(tmp_path: Path, reference: Callable[[str], dict], name: str) -> None:
     _, nproc = JOBS_BY_NAME[name]
@@ -97,7 +76,7 @@ def test_sigkill_random_rank_random_step(tmp_path: Path, reference: Callable[[st
     run.wait_step(rank, step)
     pids = run.active_pids()
     run.inject("kill", rank=rank)
-    last = _check_success(run, reference(name), pids, {rank}, "kill", max_steps_lost=0 if name == "zero0" else 1)
+    last = assert_migrated(run, reference(name), pids, {rank}, "kill", max_steps_lost=0 if name == "zero0" else 1)
     assert last["failed_ranks"] == [rank]
     # Replicated state comes from a data-parallel replica, ZeRO-sharded state from a buddy copy.
     sharded = {"zero0": set(), "zero3": {"params", "optimizer"}}.get(name, {"optimizer"})
@@ -119,7 +98,7 @@ def test_an_unchanged_loop_over_the_engine_dataloader_is_migratable(
     run.wait_step(rank, step)
     pids = run.active_pids()
     run.inject("kill", rank=rank)
-    last = _check_success(run, reference(name), pids, {rank}, "kill", max_steps_lost=0 if name == "loader-zero0" else 1)
+    last = assert_migrated(run, reference(name), pids, {rank}, "kill", max_steps_lost=0 if name == "loader-zero0" else 1)
     assert last["failed_ranks"] == [rank]
 
 
@@ -130,7 +109,7 @@ def test_sigstop_hang_recovers_within_heartbeat_timeout(tmp_path: Path, referenc
     run.wait_step(rank, step)
     pids = run.active_pids()
     run.inject("hang", rank=rank)
-    last = _check_success(run, reference("zero2"), pids, {rank}, "hang", max_steps_lost=1)
+    last = assert_migrated(run, reference("zero2"), pids, {rank}, "hang", max_steps_lost=1)
     # fast_detect: heartbeat timeout 3 s, far below any collective timeout.
     assert last["timings"]["detect"] < 3.0 + 2.0, last["timings"]
 
@@ -142,7 +121,7 @@ def test_sigterm_is_a_planned_migration(tmp_path: Path, reference: Callable[[str
     run.wait_step(rank, step)
     pids = run.active_pids()
     run.inject("term", rank=rank)
-    last = _check_success(run, reference("zero2"), pids, {rank}, "planned", max_steps_lost=0)
+    last = assert_migrated(run, reference("zero2"), pids, {rank}, "planned", max_steps_lost=0)
     # A draining rank hands over its own state, the sharded partitions included.
     assert all(s["rank"] == rank for srcs in last["sources"][str(rank)]["from"].values() for s in srcs), last["sources"]
 
@@ -157,7 +136,7 @@ def test_kill_inside_the_commit_rolls_back_to_snapshots(tmp_path: Path, referenc
     run = _start(tmp_path, "zero2", extra=["--chaos", "kill_in_commit"])
     run.wait_step(0, 2)
     pids = run.active_pids()
-    last = _check_success(run, reference("zero2"), pids, {1}, "kill", max_steps_lost=1)
+    last = assert_migrated(run, reference("zero2"), pids, {1}, "kill", max_steps_lost=1)
     assert last["target_step"] == 6, last
     assert [src["copy"] for src in last["sources"]["0"]["from"]["optimizer"]] == ["snapshot"], last["sources"]
 

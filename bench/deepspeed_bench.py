@@ -1,0 +1,184 @@
+"""DeepSpeed adapter benchmark: steady-state overhead of the "torchpass" block per ZeRO stage, and recovery.
+
+    python bench/deepspeed_bench.py                 # ZeRO 0-3, 2 ranks, ~4.3M parameters
+    python bench/deepspeed_bench.py --stages 2 --rounds 1 --steps 20
+
+For each ZeRO stage, in one invocation so both sides share the machine's
+conditions, ``torchrun`` runs of the job without the block and ``torchpass
+launch`` runs with the block enabled (buddy redundancy on, as "auto" selects
+for sharded ZeRO state) alternate; the steady-state step time is the median
+over all rounds after the warm-up steps. On a shared machine other jobs' load
+swings step times by more than the overhead being measured, so the 10th
+percentile (the steps least disturbed) is reported next to the median. Then one ``torchpass launch`` run is
+killed mid-training (rank 1 SIGKILLed) and the ledger gives the recovery's
+phase timings and the bytes moved. Results go to ``bench/out/deepspeed.json``
+and a Markdown table on stdout.
+
+The same file is the benchmark's training job (``--worker``): a user-owned
+forward/backward/step loop over ``torchpass.adapters.deepspeed.steps`` that
+appends each step's wall time to a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+OUT = HERE.parent / "out" / "deepspeed.json"
+WARMUP_STEPS = 5
+
+
+# ---- the training job (one rank) -----------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    import deepspeed
+    import torch
+
+    from torchpass.adapters.deepspeed import steps
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(64, args.width), torch.nn.GELU()]
+    for _ in range(args.depth):
+        layers += [torch.nn.Linear(args.width, args.width), torch.nn.GELU()]
+    net = torch.nn.Sequential(*layers, torch.nn.Linear(args.width, 1))
+
+    class Regression(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8192, 64, generator=g)
+    data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
+    config = {
+        "train_micro_batch_size_per_gpu": 64,
+        "gradient_accumulation_steps": 2,
+        "steps_per_print": 10**6,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
+        "zero_optimization": {"stage": args.zero},
+    }
+    if args.block:
+        config["torchpass"] = {"enabled": True}
+    model = Regression()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), training_data=data, config=config)
+    times = open(args.times, "a", buffering=1)
+    for step in steps(engine, args.steps):
+        with step:
+            t0 = time.perf_counter()
+            for xb, yb in step.micro_batches():
+                engine.backward(engine(xb, yb))
+                engine.step()
+            times.write(json.dumps({"step": step.number, "seconds": time.perf_counter() - t0}) + "\n")
+
+
+# ---- the driver ----------------------------------------------------------------------------
+def run_job(kind: str, work: Path, zero: int, args: argparse.Namespace, kill_at: int | None = None) -> dict:
+    """One job under ``torchrun`` (no block) or ``torchpass`` (block enabled); optionally SIGKILL rank 1 at a step."""
+    from torchpass.core.inject import inject
+    from torchpass.core.ledger import read_ledger
+
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    times = work / "times.jsonl"
+    job = [str(HERE), "--worker", "--zero", str(zero), "--steps", str(args.steps), "--width", str(args.width),
+           "--depth", str(args.depth), "--times", str(times)]  # fmt: skip
+    if kind == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *job]
+    else:
+        cmd = [
+            sys.executable, "-m", "torchpass", "launch", "--standalone", "--nproc-per-node", "2", "--spares-per-node", "1",
+            "--run-dir", str(work / "run"), "--config", "fast_detect", "--quiet", *job, "--block",
+        ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=work, stdout=open(work / "log", "w"), stderr=subprocess.STDOUT, env=env)
+    if kill_at is not None:
+        # Both ranks append to the times file: two lines per step.
+        while not times.exists() or sum(1 for _ in open(times)) < 2 * kill_at:
+            if proc.poll() is not None:
+                raise RuntimeError(f"{kind} job ended early:\n{(work / 'log').read_text()[-2000:]}")
+            time.sleep(0.05)
+        inject(work / "run", "kill", rank=1)
+    if proc.wait() != 0:
+        raise RuntimeError(f"{kind} job failed:\n{(work / 'log').read_text()[-3000:]}")
+    records = [json.loads(line) for line in open(times)]
+    out: dict = {"wall_s": time.time() - t0, "step_s": [r["seconds"] for r in records if r["step"] > WARMUP_STEPS]}
+    if kind == "torchpass":
+        out["migrations"] = [e for e in read_ledger(work / "run") if e["type"] == "migration"]
+    return out
+
+
+def bench_stage(zero: int, args: argparse.Namespace, scratch: Path) -> dict:
+    per_round: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
+    samples: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
+    for r in range(args.rounds):
+        for kind in ("torchrun", "torchpass"):
+            result = run_job(kind, scratch / f"zero{zero}-{kind}-{r}", zero, args)
+            samples[kind] += result["step_s"]
+            per_round[kind].append(statistics.median(result["step_s"]))
+    median = {kind: statistics.median(values) for kind, values in samples.items()}
+    p10 = {kind: statistics.quantiles(values, n=10)[0] for kind, values in samples.items()}
+    killed = run_job("torchpass", scratch / f"zero{zero}-kill", zero, args, kill_at=args.steps // 2)
+    migration = next(m for m in killed["migrations"] if m["outcome"] == "success")
+    return {
+        "median_step_s": median,
+        "p10_step_s": p10,
+        "per_round_median_step_s": per_round,
+        "ratio": median["torchpass"] / median["torchrun"],
+        "ratio_p10": p10["torchpass"] / p10["torchrun"],
+        "recovery": {k: migration[k] for k in ("timings", "bytes_moved", "steps_lost", "target_step", "sources")},
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--block", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--times", default="", help=argparse.SUPPRESS)
+    p.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to measure, comma-separated")
+    p.add_argument("--rounds", type=int, default=2, help="alternating torchrun/torchpass rounds per stage")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--depth", type=int, default=4)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    scratch = Path(tempfile.mkdtemp(prefix="ds-bench-"))
+    results = {"width": args.width, "depth": args.depth, "steps": args.steps, "rounds": args.rounds, "cpus": os.cpu_count(), "stages": {}}
+    for zero in map(int, args.stages.split(",")):
+        results["stages"][f"zero{zero}"] = bench_stage(zero, args, scratch)
+        OUT.parent.mkdir(parents=True, exist_ok=True)
+        OUT.write_text(json.dumps(results, indent=1))
+    shutil.rmtree(scratch, ignore_errors=True)
+    print("| ZeRO | torchrun step ms (median / p10) | torchpass + block step ms (median / p10) | ratio (median / p10) "
+          "| recovery total (s) | detect | spare_setup | transfer | rebuild | resume | bytes moved | steps lost |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for name, stage in results["stages"].items():
+        t = stage["recovery"]["timings"]
+        print(
+            f"| {name[4:]} | {stage['median_step_s']['torchrun'] * 1e3:.1f} / {stage['p10_step_s']['torchrun'] * 1e3:.1f} | "
+            f"{stage['median_step_s']['torchpass'] * 1e3:.1f} / {stage['p10_step_s']['torchpass'] * 1e3:.1f} | "
+            f"{stage['ratio']:.3f} / {stage['ratio_p10']:.3f} | {t.get('total', 0):.2f} | {t.get('detect', 0):.2f} | {t.get('spare_setup', 0):.2f} | "
+            f"{t.get('transfer', 0):.2f} | {t.get('rebuild', 0):.2f} | {t.get('resume', 0):.2f} | "
+            f"{stage['recovery']['bytes_moved']} | {stage['recovery']['steps_lost']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
