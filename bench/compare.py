@@ -3,6 +3,7 @@
     python -m bench.compare                 # configs/bench/full.yaml
     python -m bench.compare --quick         # configs/bench/quick.yaml, under 5 minutes on 2 cores
     python -m bench.compare --quick workload.steps=20 strategies=[baseline,torchpass]
+    python -m bench.compare --report bench/out/compare/quick/results.json   # page and plot only
 
 Runs every strategy without faults (the steady state and the reference wall
 time) and every fault-tolerant one with the seeded failure schedule, measures
@@ -139,11 +140,16 @@ def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="configs/bench/quick.yaml instead of full.yaml")
+    p.add_argument("--report", metavar="RESULTS_JSON", help="only rewrite the page and plot from a saved results.json")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload.steps=40")
     args = p.parse_args()
     cfg = load_config("quick" if args.quick else "full", args.overrides)
-    command = shlex.join(["python", "-m", "bench.compare", *sys.argv[1:]])
-    results = compare(cfg, command)
+    if args.report:
+        results = json.loads(Path(args.report).read_text())
+        cfg = load_config(results["config"]["name"], args.overrides)
+    else:
+        command = shlex.join(["python", "-m", "bench.compare", *sys.argv[1:]])
+        results = compare(cfg, command)
     out_dir = REPO / cfg.out / cfg.name
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))

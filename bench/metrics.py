@@ -136,6 +136,7 @@ def _restart_recoveries(run: RunRecord, steps: list[dict[str, Any]], out: RunFig
     records = [r for recs in run.logs.values() for r in recs]
     for i, fault in enumerate(run.faults[: len(run.fault_times)]):
         t_fault, t_next = _window(run, i)
+        rank = run.fault_ranks[i]
         reached = max(r["step"] for r in steps if r["t"] <= t_fault)
         starts = [r for r in records if r["kind"] == "start" and t_fault < r["t"] <= t_next]
         restarted = {r["pid"] for r in starts}
@@ -143,14 +144,14 @@ def _restart_recoveries(run: RunRecord, steps: list[dict[str, Any]], out: RunFig
         # Back where it was: the restarted processes complete the step the job had reached.
         back = [r["t"] for r in steps if r["step"] == reached and r["pid"] in restarted]
         if not (starts and ready and back):
-            out.recoveries.append({"at_step": fault.at_step, "rank": fault.rank, "total_s": None, "phases": {}, "note": "not recovered"})
+            out.recoveries.append({"at_step": fault.at_step, "rank": rank, "total_s": None, "phases": {}, "note": "not recovered"})
             continue
         t_ready, resumed_from = max(ready)
         t_start = min(r["t"] for r in starts)
         out.recoveries.append(
             {
                 "at_step": fault.at_step,
-                "rank": fault.rank,
+                "rank": rank,
                 "total_s": back[0] - t_fault,
                 "phases": {
                     "detect_and_restart": t_start - t_fault,
@@ -171,13 +172,14 @@ def _torchft_recoveries(run: RunRecord, steps: list[dict[str, Any]], out: RunFig
         times = [t for _, t in first if t <= t_fault][-1:] + [t for _, t in first if t_fault < t <= t_next]
         gaps = [(b - a, b) for a, b in zip(times, times[1:])]
         resumed = max(gaps)[1] - t_fault if gaps else None
-        victim = run.logs.get(fault.rank, [])
+        rank = run.fault_ranks[i]
+        victim = run.logs.get(rank, [])
         old_pids = {r["pid"] for r in victim if r["t"] <= t_fault}
-        rejoined = [r["t"] for r in steps if t_fault < r["t"] <= t_next and r["rank"] == fault.rank and r["pid"] not in old_pids]
+        rejoined = [r["t"] for r in steps if t_fault < r["t"] <= t_next and r["rank"] == rank and r["pid"] not in old_pids]
         out.recoveries.append(
             {
                 "at_step": fault.at_step,
-                "rank": fault.rank,
+                "rank": rank,
                 "total_s": resumed,
                 "phases": {"survivors_resume": resumed, "group_rejoins": rejoined[0] - t_fault if rejoined else None},
                 "note": "" if rejoined else "the killed group did not rejoin before the next fault or step N",

@@ -40,6 +40,8 @@ class RunRecord:
     """When step N was first completed."""
     fault_times: list[float]
     """Wall time at which each fault was injected."""
+    fault_ranks: list[int]
+    """The rank each fault hit (the scheduled one unless it had no live process, see ``kill_rank``)."""
     logs: dict[int, list[dict[str, Any]]]
     """Rank -> its log records in order."""
     ledger: list[dict[str, Any]] = field(default_factory=list)
@@ -77,7 +79,7 @@ def run_strategy(name: str, cfg: BenchConfig, faults: list[Fault], work: Path) -
     t_launch = time.time()
     run = launch(name, cfg, work, len(faults))
     try:
-        fault_times = _drive(run, cfg, faults, t_launch)
+        fault_times, fault_ranks = _drive(run, cfg, faults, t_launch)
         t_end = min(
             r["t"] for recs in read_logs(run.logs).values() for r in recs if r["kind"] == "step" and r["step"] == cfg.workload.steps
         )
@@ -87,18 +89,19 @@ def run_strategy(name: str, cfg: BenchConfig, faults: list[Fault], work: Path) -
     finally:
         run.stop()
     ledger = read_ledger(run.run_dir) if name == "torchpass" else []
-    return RunRecord(name, faults, t_launch, t_end, fault_times, read_logs(run.logs), ledger)
+    return RunRecord(name, faults, t_launch, t_end, fault_times, fault_ranks, read_logs(run.logs), ledger)
 
 
-def _drive(run: Strategy, cfg: BenchConfig, faults: list[Fault], t_launch: float) -> list[float]:
+def _drive(run: Strategy, cfg: BenchConfig, faults: list[Fault], t_launch: float) -> tuple[list[float], list[int]]:
     pending = list(faults)
     fault_times: list[float] = []
+    fault_ranks: list[int] = []
     while True:
         progress = _progress(run.logs)
         if progress >= cfg.workload.steps:
-            return fault_times
+            return fault_times, fault_ranks
         if pending and progress >= pending[0].at_step:
-            kill_rank(run, pending.pop(0).rank)
+            fault_ranks.append(kill_rank(run, pending.pop(0).rank, cfg.world_size))
             fault_times.append(time.time())
         ended = [p for p in run.main if p.poll() is not None]
         if ended:

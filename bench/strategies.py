@@ -124,18 +124,34 @@ def launch(name: str, cfg: BenchConfig, work: Path, faults: int) -> Strategy:
     return run
 
 
-def _current_pid(log: Path) -> int:
+def _live_pid(log: Path) -> int | None:
+    """The pid of the newest process that started as this rank, if it is still alive."""
+    if not log.exists():
+        return None
     pids = [r["pid"] for r in map(json.loads, log.read_text().splitlines()) if r["kind"] == "start"]
     if not pids:
-        raise RuntimeError(f"{log} has no start record: no process holds that rank yet")
+        return None
+    try:
+        os.kill(pids[-1], 0)
+    except ProcessLookupError:
+        return None
     return pids[-1]
 
 
-def kill_rank(run: Strategy, rank: int) -> None:
-    """SIGKILL the process that currently holds ``rank``."""
+def kill_rank(run: Strategy, rank: int, world_size: int) -> int:
+    """SIGKILL the process that currently holds ``rank``; return the rank actually hit.
+
+    A torchft replica group killed earlier may still be restarting when its next fault is due: the fault then
+    goes to the next rank that has a live process, so every strategy receives the same number of faults.
+    """
     if run.name == "baseline":
         raise ValueError("the baseline receives no faults")
     if run.name == "torchpass":
         inject(run.run_dir, "kill", rank=rank)
-    else:
-        os.kill(_current_pid(run.logs / f"rank{rank}.jsonl"), signal.SIGKILL)
+        return rank
+    for victim in [(rank + i) % world_size for i in range(world_size)]:
+        pid = _live_pid(run.logs / f"rank{victim}.jsonl")
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            return victim
+    raise RuntimeError(f"{run.name}: no rank has a live process to kill")

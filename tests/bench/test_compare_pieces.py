@@ -38,7 +38,7 @@ def _restart_run() -> RunRecord:
         recs += [_rec("start", 5.0, new, rank), _rec("ready", 8.0, new, rank, step=2)]
         recs += [_rec("step", 6.0 + s, new, rank, step=s, seconds=1.0, samples=2) for s in (3, 4, 5, 6)]
         logs[rank] = recs
-    return RunRecord("checkpoint", [Fault(3, 1)], 0.0, 12.0, [4.5], logs)
+    return RunRecord("checkpoint", [Fault(3, 1)], 0.0, 12.0, [4.5], [1], logs)
 
 
 def test_checkpoint_restart_figures() -> None:
@@ -59,7 +59,7 @@ def test_torchft_skipped_samples_and_stall() -> None:
         + [_rec("step", 5.0 + s, 1, 0, step=s, seconds=1.0, samples=1, participants=1) for s in (3, 4)],
         1: [_rec("start", 0.0, 2, 1)] + [_rec("step", float(s), 2, 1, step=s, seconds=1.0, samples=2, participants=2) for s in (1, 2)],
     }
-    run = RunRecord("torchft", [Fault(2, 1)], 0.0, 9.0, [2.5], logs)
+    run = RunRecord("torchft", [Fault(2, 1)], 0.0, 9.0, [2.5], [1], logs)
     fig = figures(run, n_steps=4, world=2, batch=1)
     assert fig.samples_skipped == 2 and fig.steps_discarded == 1 and fig.steps_recomputed == 0
     (rec,) = fig.recoveries
