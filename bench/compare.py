@@ -32,7 +32,7 @@ from .config import BenchConfig, load_config
 from .control_plane import markdown as control_plane_markdown
 from .control_plane import measure as control_plane_measure
 from .core_bench import loopback_tcp
-from .metrics import figures, time_lost_per_fault, time_lost_per_fault_paced
+from .metrics import RunFigures, figures, time_lost_per_fault, time_lost_per_fault_paced
 from .report import markdown, plot_progress
 from .runner import run_strategy
 from .schedule import fault_schedule
@@ -64,6 +64,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _figures(data: dict[str, Any]) -> RunFigures:
+    return RunFigures(**{k: v for k, v in data.items() if k != "fault_s"})
+
+
+def summarize(runs: dict[str, dict[str, Any]], cfg: BenchConfig) -> None:
+    """Add each strategy's steady-state ratio to the baseline and its time lost per fault (both definitions)."""
+    wl = cfg.workload
+    for name, run in runs.items():
+        if "baseline" in runs:
+            run["steady_ratio"] = run["clean"]["step_s"] / runs["baseline"]["clean"]["step_s"]
+        if "faults" in run:
+            clean, faulty = _figures(run["clean"]), _figures(run["faults"])
+            run["time_lost_per_fault_s"] = time_lost_per_fault(faulty, clean, cfg.world_size, wl.batch_per_rank)
+            run["time_lost_per_fault_paced_s"] = time_lost_per_fault_paced(faulty, clean, wl.steps, cfg.world_size, wl.batch_per_rank)
+    rounds = runs.get("torchpass", {}).get("steady_rounds")
+    if rounds:
+        runs["torchpass"]["steady_ratio"] = statistics.median(r["ratio"] for r in rounds)
+
+
 def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
     """Run the comparison ``cfg`` describes; the results as a JSON-able mapping."""
     wl = cfg.workload
@@ -92,17 +111,9 @@ def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
             **dataclasses.asdict(fig),
             "fault_s": [t - record.t_launch for t in record.fault_times],
         }
-    for name, run in runs.items():
-        if "baseline" in runs:
-            run["steady_ratio"] = run["clean"]["step_s"] / runs["baseline"]["clean"]["step_s"]
     if pairs:
         runs["torchpass"]["steady_rounds"] = [{"baseline_step_s": b, "torchpass_step_s": t, "ratio": t / b} for b, t in pairs]
-        runs["torchpass"]["steady_ratio"] = statistics.median(t / b for b, t in pairs)
-        if "faults" in run:
-            clean = figures(records[(name, "clean")], wl.steps, cfg.world_size, wl.batch_per_rank)
-            faulty = figures(records[(name, "faults")], wl.steps, cfg.world_size, wl.batch_per_rank)
-            run["time_lost_per_fault_s"] = time_lost_per_fault(faulty, clean, cfg.world_size, wl.batch_per_rank)
-            run["time_lost_per_fault_paced_s"] = time_lost_per_fault_paced(faulty, clean, wl.steps, cfg.world_size, wl.batch_per_rank)
+    summarize(runs, cfg)
     results: dict[str, Any] = {
         "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -141,15 +152,18 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="configs/bench/quick.yaml instead of full.yaml")
     p.add_argument("--report", metavar="RESULTS_JSON", help="only rewrite the page and plot from a saved results.json")
+    p.add_argument("--note", action="append", default=[], help="a note for the page's Notes section (repeatable)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload.steps=40")
     args = p.parse_args()
     cfg = load_config("quick" if args.quick else "full", args.overrides)
     if args.report:
         results = json.loads(Path(args.report).read_text())
         cfg = load_config(results["config"]["name"], args.overrides)
+        summarize(results["runs"], cfg)
     else:
         command = shlex.join(["python", "-m", "bench.compare", *sys.argv[1:]])
         results = compare(cfg, command)
+    results["notes"] = list(dict.fromkeys([*results.get("notes", []), *args.note]))
     out_dir = REPO / cfg.out / cfg.name
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=1))
