@@ -90,6 +90,8 @@ class BuddyKeeper:
         self._push_target: int = -1
         self.error: BaseException | None = None
         self.bytes_pushed = 0
+        self.finishing = False
+        """Set once training ended: a push failing because the buddy already exited is expected then."""
         threading.Thread(target=self._work, name="torchpass-buddy", daemon=True).start()
 
     # ---- the training thread's side ---------------------------------------------
@@ -152,7 +154,9 @@ class BuddyKeeper:
             except (TransferError, OSError) as exc:
                 # The buddy is gone (it failed, or is being replaced): the migration
                 # that follows re-pairs buddies; until then this version is unprotected.
-                print(f"[torchpass] rank {self.rank}: buddy copy of step {version} not delivered: {exc}", flush=True)
+                # After training ended, the buddy exiting first is expected, not news.
+                if not self.finishing:
+                    print(f"[torchpass] rank {self.rank}: buddy copy of step {version} not delivered: {exc}", flush=True)
             except BaseException as exc:  # surfaced on the training thread by the next gate
                 with self._cv:
                     self.error = exc

@@ -742,6 +742,8 @@ class Runtime:
     # ---- shutdown --------------------------------------------------------
     def finish(self) -> None:
         self.phase = "done"
+        if self._buddy is not None:
+            self._buddy.finishing = True
 
 
 def _my_host() -> str:
