@@ -706,8 +706,8 @@ class Runtime:
             if small is None:
                 raise TransferError(f"rank {self.rank}'s mirror has no record for step {target}")
         if small is not None:
-            # Data first: starting a DataLoader iterator draws from the global torch RNG,
-            # which in the original run happened before the step the RNG state was taken at.
+            # Data before RNG. ReplayableData starts epoch iterators with the global RNG
+            # saved and restored, so the order is for sources that draw when advanced.
             if self.data is not None and small["data"] is not None:
                 if joining:
                     self.data.fast_forward(small["data"])
