@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -54,7 +55,10 @@ def _machine() -> str:
 def _versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for dist in ("torch", "torchft", "torchpass"):
-        out[dist] = importlib.metadata.version(dist)
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "not installed"
     return out
 
 
@@ -86,6 +90,11 @@ def summarize(runs: dict[str, dict[str, Any]], cfg: BenchConfig) -> None:
 def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
     """Run the comparison ``cfg`` describes; the results as a JSON-able mapping."""
     wl = cfg.workload
+    if "torchft" in cfg.strategies and importlib.util.find_spec("torchft") is None:
+        raise SystemExit(
+            "strategies includes torchft but torchft is not installed: "
+            'pip install -e ".[bench]" (torchft==0.2.0), or drop it with strategies=[baseline,torchpass,checkpoint]'
+        )
     faults = fault_schedule(cfg.schedule, wl.steps, cfg.world_size)
     out_dir = REPO / cfg.out / cfg.name
     fault_tolerant = [s for s in cfg.strategies if s != "baseline"]
