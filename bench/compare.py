@@ -3,13 +3,16 @@
     python -m bench.compare                 # configs/bench/full.yaml
     python -m bench.compare --quick         # configs/bench/quick.yaml, under 5 minutes on 2 cores
     python -m bench.compare --quick workload.steps=20 strategies=[baseline,torchpass]
+    python -m bench.compare --config deepspeed    # a DeepSpeed job: torchpass vs DeepSpeed's checkpoint restart
+    python -m bench.compare --config torchtitan   # a TorchTitan job: torchpass vs TorchTitan's checkpointer
     python -m bench.compare --report bench/out/compare/quick/results.json   # page and plot only
 
 Runs every strategy without faults (the steady state and the reference wall
 time) and every fault-tolerant one with the seeded failure schedule, measures
 loopback TCP throughput for the migrated state's size and the control plane's
-scaling, then writes ``<out>/<name>/results.json``, ``docs/benchmarks.md`` and
-``docs/img/benchmark_<name>.png``, and prints the page.
+scaling, then writes ``<out>/<name>/results.json``, ``docs/benchmarks.md`` (a framework
+mode: ``docs/benchmarks_<framework>.md``) and ``docs/img/benchmark_<name>.png``, and
+prints the page.
 """
 
 from __future__ import annotations
@@ -60,6 +63,25 @@ def _versions() -> dict[str, str]:
         except importlib.metadata.PackageNotFoundError:
             out[dist] = "not installed"
     return out
+
+
+def _job_size(cfg: BenchConfig) -> dict[str, int]:
+    """Parameters of the job's model, and the bytes of model and optimizer state one rank holds."""
+    if cfg.framework != "torchtitan":
+        params = parameter_count(cfg.workload)
+        sharded = cfg.framework == "deepspeed" and cfg.zero_stage >= 1
+        # fp32 parameters, AdamW's two moments; ZeRO >= 1 shards the moments (and from stage 3 the parameters).
+        if not sharded:
+            return {"params": params, "state_bytes": state_bytes(cfg.workload)}
+        param_bytes = params * 4 // (cfg.world_size if cfg.zero_stage == 3 else 1)
+        return {"params": params, "state_bytes": param_bytes + params * 8 // cfg.world_size}
+    import torch
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Transformer(llama3_args["debugmodel"]).parameters())
+    shards = {"ddp": 1, "hsdp": 2, "fsdp": cfg.world_size}[cfg.titan_layout]
+    return {"params": params, "state_bytes": params * 12 // shards}
 
 
 def _free_port() -> int:
@@ -129,8 +151,7 @@ def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
         "machine": _machine(),
         "versions": _versions(),
         "config": dataclasses.asdict(cfg),
-        "params": parameter_count(wl),
-        "state_bytes": state_bytes(wl),
+        **_job_size(cfg),
         "world_size": cfg.world_size,
         "faults": [dataclasses.asdict(f) for f in faults],
         "out_dir": str(out_dir.relative_to(REPO)) if out_dir.is_relative_to(REPO) else str(out_dir),
@@ -159,12 +180,13 @@ def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="configs/bench/quick.yaml instead of full.yaml")
+    p.add_argument("--config", default="full", help="configs/bench/<CONFIG>.yaml: full (default), quick, deepspeed, torchtitan")
+    p.add_argument("--quick", action="store_true", help="the same as --config quick")
     p.add_argument("--report", metavar="RESULTS_JSON", help="only rewrite the page and plot from a saved results.json")
     p.add_argument("--note", action="append", default=[], help="a note for the page's Notes section (repeatable)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. workload.steps=40")
     args = p.parse_args()
-    cfg = load_config("quick" if args.quick else "full", args.overrides)
+    cfg = load_config("quick" if args.quick else args.config, args.overrides)
     if args.report:
         results = json.loads(Path(args.report).read_text())
         cfg = load_config(results["config"]["name"], args.overrides)
@@ -182,7 +204,8 @@ def main() -> None:
     table = control_plane_markdown(results["control_plane"]) if results["control_plane"] else ""
     page = markdown(results, f"img/{plot_name}", table)
     if cfg.docs:
-        (REPO / "docs" / "benchmarks.md").write_text(page)
+        page_name = "benchmarks.md" if cfg.framework == "ddp" else f"benchmarks_{cfg.framework}.md"
+        (REPO / "docs" / page_name).write_text(page)
     (out_dir / "benchmarks.md").write_text(page)
     print(page)
 

@@ -16,6 +16,8 @@ __all__ = ["WorkloadConfig", "ScheduleConfig", "BenchConfig", "load_config"]
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "bench"
 STRATEGIES = ("baseline", "torchpass", "checkpoint", "torchft")
+FRAMEWORKS = ("ddp", "deepspeed", "torchtitan")
+TITAN_LAYOUTS = ("ddp", "hsdp", "fsdp")
 
 
 @dataclass
@@ -71,6 +73,16 @@ class BenchConfig:
     """The training job."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     """The faults injected into every fault-tolerant strategy."""
+    framework: str = "ddp"
+    """The job every strategy runs: ``ddp`` (the workload's GPT in plain PyTorch DDP), ``deepspeed`` (the same
+    GPT in a DeepSpeed engine; checkpoint restart is DeepSpeed's ``save_checkpoint``/``load_checkpoint``) or
+    ``torchtitan`` (TorchTitan's trainer on its llama3 ``debugmodel``, the workload giving steps, batch and
+    sequence length; checkpoint restart is TorchTitan's checkpointer). torchft runs with ``ddp`` only."""
+    zero_stage: int = 1
+    """``deepspeed``: the ZeRO stage (1, the stage most DeepSpeed jobs use, shards the optimizer state: torchpass
+    keeps buddy copies of it)."""
+    titan_layout: str = "hsdp"
+    """``torchtitan``: the data-parallel layout over the ranks (``ddp``, ``hsdp`` = 2 x 2, ``fsdp``)."""
     world_size: int = 4
     """Data-parallel ranks (one node, gloo)."""
     strategies: list[str] = field(default_factory=lambda: list(STRATEGIES))
@@ -113,4 +125,14 @@ def load_config(name: str, overrides: list[str]) -> BenchConfig:
     unknown = set(config.strategies) - set(STRATEGIES)
     if unknown:
         raise ValueError(f"unknown strategies {sorted(unknown)}; choose from {list(STRATEGIES)}")
+    if config.framework not in FRAMEWORKS:
+        raise ValueError(f"framework={config.framework!r}; choose from {list(FRAMEWORKS)}")
+    if config.framework != "ddp" and "torchft" in config.strategies:
+        raise ValueError(f"framework={config.framework!r} runs baseline, torchpass and checkpoint; torchft runs with framework=ddp only")
+    if config.framework == "deepspeed" and config.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage={config.zero_stage}; DeepSpeed's stages are 0, 1, 2, 3")
+    if config.framework == "torchtitan" and config.titan_layout not in TITAN_LAYOUTS:
+        raise ValueError(f"titan_layout={config.titan_layout!r}; choose from {list(TITAN_LAYOUTS)}")
+    if config.framework == "torchtitan" and config.world_size != 4:
+        raise ValueError(f"world_size={config.world_size}; the torchtitan layouts are defined over 4 ranks")
     return config

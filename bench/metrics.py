@@ -16,7 +16,8 @@ Definitions (the same for every strategy):
   pace: the same period in a run with faults, up to its first fault;
 * recovery of a fault: torchpass's ledger timings; for the others, from the rank
   logs: restart and re-initialisation, then the steps recomputed until the
-  restarted processes complete the step the job had reached (checkpoint); the
+  restarted processes complete the step the job had reached, or the next one
+  when the checkpoint holds that step (checkpoint); the
   survivors' longest stall between two step completions after the fault, and
   when the killed group trains again (torchft). Each total includes the compute
   of one step, as torchpass's does (it ends when the re-executed step is done).
@@ -141,8 +142,9 @@ def _restart_recoveries(run: RunRecord, steps: list[dict[str, Any]], out: RunFig
         starts = [r for r in records if r["kind"] == "start" and t_fault < r["t"] <= t_next]
         restarted = {r["pid"] for r in starts}
         ready = [(r["t"], r["step"]) for r in records if r["kind"] == "ready" and r["pid"] in restarted]
-        # Back where it was: the restarted processes complete the step the job had reached.
-        back = [r["t"] for r in steps if r["step"] == reached and r["pid"] in restarted]
+        # Back where it was: the restarted processes complete the step the job had reached (or, when the newest
+        # checkpoint is that step, the step after it).
+        back = sorted(r["t"] for r in steps if r["step"] >= reached and r["pid"] in restarted)
         if not (starts and ready and back):
             out.recoveries.append({"at_step": fault.at_step, "rank": rank, "total_s": None, "phases": {}, "note": "not recovered"})
             continue

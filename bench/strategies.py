@@ -5,9 +5,14 @@ strategy       launch
 =============  =====================================================================================
 baseline       ``torchrun --standalone``: plain DDP, no fault tolerance (never receives faults)
 torchpass      ``torchpass launch`` with one hot spare per scheduled fault; faults via ``core/inject.py``
-checkpoint     ``torchrun --max-restarts F``: DCP save every K steps, restart from the newest checkpoint
+checkpoint     ``torchrun --max-restarts F``: a checkpoint every K steps, restart from the newest one
+               (``ddp``: torch.distributed.checkpoint; ``deepspeed``: ``engine.save_checkpoint``;
+               ``torchtitan``: TorchTitan's checkpointer)
 torchft        a lighthouse plus one ``torchrun --max-restarts F`` per replica group (one rank each)
 =============  =====================================================================================
+
+The job each strategy runs is ``cfg.framework``'s (``bench/jobs/``): the workload's GPT in plain DDP or in a
+DeepSpeed engine, or TorchTitan's trainer.
 
 Every process is started in its own session so the driver can end what it
 started, and only that. The victim of a fault is the process that currently
@@ -85,42 +90,116 @@ def _start(cmd: list[str], out: Path, env: dict[str, str]) -> subprocess.Popen[b
         return subprocess.Popen(cmd, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def _job(name: str, cfg: BenchConfig, run: Strategy) -> tuple[list[str], dict[str, str]]:
+    """Strategy ``name``'s training job for ``cfg.framework``: the script and its arguments, and its environment."""
+    mode = {"baseline": "plain"}.get(name, name)
+    logs = ["--log-dir", str(run.logs)]
+    every = str(cfg.schedule.checkpoint_every)
+    if cfg.framework == "ddp":
+        job = [str(JOBS / f"gpt_{mode}.py"), "--workload", workload_json(cfg.workload), *logs]
+        if name == "checkpoint":
+            job += ["--checkpoint-dir", str(run.work / "checkpoints"), "--checkpoint-every", every]
+        return job, _env()
+    if cfg.framework == "deepspeed":
+        ds_config = run.work / "ds_config.json"
+        ds_config.write_text(json.dumps(deepspeed_config(cfg, torchpass=name == "torchpass"), indent=1))
+        job = [str(JOBS / "deepspeed_gpt.py"), "--workload", workload_json(cfg.workload), *logs, "--mode", mode]
+        job += ["--deepspeed_config", str(ds_config)]
+        if name == "checkpoint":
+            job += ["--checkpoint-dir", str(run.work / "checkpoints"), "--checkpoint-every", every]
+        return job, _env()
+    from tests.support.torchtitan.jobs import job_env
+
+    job = [str(JOBS / "torchtitan_job.py"), *logs, "--mode", mode, *titan_args(cfg, run.work, torchpass=name == "torchpass")]
+    if name == "checkpoint":
+        job += ["--checkpoint.enable", "--checkpoint.interval", every, "--checkpoint.folder", "checkpoints"]
+    # The test support's CPU shim and offline datasets cache; not its probe (the job logs its own steps).
+    titan = {k: v for k, v in job_env(run.work.parent / "hf_cache").items() if k != "TORCHPASS_TEST_TORCHTITAN_PROBE"}
+    env = _env(titan)
+    env["PYTHONPATH"] = os.pathsep.join([titan["PYTHONPATH"], str(REPO)])
+    return job, env
+
+
+def deepspeed_config(cfg: BenchConfig, torchpass: bool) -> dict[str, object]:
+    """The DeepSpeed config of the ``deepspeed`` framework mode: the workload's batch, AdamW, ``cfg.zero_stage``;
+    with ``torchpass``, the block that enables it."""
+    config: dict[str, object] = {
+        "train_micro_batch_size_per_gpu": cfg.workload.batch_per_rank,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        "optimizer": {"type": "AdamW", "params": {"lr": cfg.workload.lr, "torch_adam": True}},
+        "zero_optimization": {"stage": cfg.zero_stage},
+    }
+    if torchpass:
+        config["torchpass"] = {"enabled": True}
+    return config
+
+
+def titan_args(cfg: BenchConfig, work: Path, torchpass: bool) -> list[str]:
+    """TorchTitan's command line for the ``torchtitan`` framework mode: the test job config (llama3
+    ``debugmodel``, with its ``[torchpass]`` section only for ``torchpass``), the workload's steps, batch,
+    sequence length and seed, ``cfg.titan_layout``, generated assets, the run directory as dump folder."""
+    from tests.support.torchtitan.assets import make_assets
+    from tests.support.torchtitan.jobs import JOB_TOML, LAYOUTS
+
+    from .torchtitan_bench import without_section
+
+    assets_dir = work.parent / "titan_assets"
+    assets = make_assets(assets_dir)
+    toml = JOB_TOML
+    if not torchpass:
+        toml = work / "job.toml"
+        toml.write_text(without_section(JOB_TOML.read_text()))
+    wl = cfg.workload
+    return [
+        "--job.config_file", str(toml), "--job.dump_folder", str(work), *assets.overrides(), *LAYOUTS[cfg.titan_layout],
+        "--training.steps", str(wl.steps), "--training.local_batch_size", str(wl.batch_per_rank),
+        "--training.seq_len", str(wl.seq_len), "--debug.seed", str(wl.seed), "--optimizer.lr", str(wl.lr),
+    ]  # fmt: skip
+
+
 def launch(name: str, cfg: BenchConfig, work: Path, faults: int) -> Strategy:
     """Start strategy ``name`` in ``work`` for a run that will receive ``faults`` faults."""
     run = Strategy(name, work)
     run.logs.mkdir(parents=True)
     (work / "out").mkdir()
-    job = ["--workload", workload_json(cfg.workload), "--log-dir", str(run.logs)]
     py = sys.executable
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     w = str(cfg.world_size)
-    if name == "baseline":
-        run.main.append(_start([*torchrun, w, str(JOBS / "gpt_plain.py"), *job], work / "out" / "job.log", _env()))
-    elif name == "torchpass":
-        cmd = [
-            py, "-m", "torchpass", "launch", "--standalone", "--nproc-per-node", w, "--spares-per-node", str(max(1, faults)),
-            "--run-dir", str(run.run_dir), "--config", cfg.torchpass_preset, "--quiet", str(JOBS / "gpt_torchpass.py"), *job,
-        ]  # fmt: skip
-        run.main.append(_start(cmd, work / "out" / "job.log", _env()))
-    elif name == "checkpoint":
-        ckpt = ["--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-every", str(cfg.schedule.checkpoint_every)]
-        cmd = [*torchrun, w, "--max-restarts", str(faults), "--monitor-interval", "0.1", str(JOBS / "gpt_checkpoint.py"), *job, *ckpt]
-        run.main.append(_start(cmd, work / "out" / "job.log", _env()))
-    elif name == "torchft":
+    if name == "torchft":
         port = _free_port()
         lighthouse = [
             "torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", str(cfg.lighthouse_tick_ms),
             "--join_timeout_ms", str(cfg.lighthouse_join_timeout_ms), "--bind", f"[::]:{port}",
         ]  # fmt: skip
         run.helpers.append(_start([str(Path(py).parent / lighthouse[0]), *lighthouse[1:]], work / "out" / "lighthouse.log", _env()))
+        job = [str(JOBS / "gpt_torchft.py"), "--workload", workload_json(cfg.workload), "--log-dir", str(run.logs)]
         for group in range(cfg.world_size):
             env = _env(
                 {"REPLICA_GROUP_ID": str(group), "NUM_REPLICA_GROUPS": w, "TORCHFT_LIGHTHOUSE": f"http://localhost:{port}"}
             )
-            cmd = [*torchrun, "1", "--max-restarts", str(faults), "--monitor-interval", "0.1", str(JOBS / "gpt_torchft.py"), *job]
+            cmd = [*torchrun, "1", "--max-restarts", str(faults), "--monitor-interval", "0.1", *job]
             run.main.append(_start(cmd, work / "out" / f"group{group}.log", env))
+        return run
+    job, env = _job(name, cfg, run)
+    if name == "baseline":
+        cmd = [*torchrun, w, *job]
+    elif name == "torchpass":
+        cmd = [
+            py, "-m", "torchpass", "launch", "--standalone", "--nproc-per-node", w, "--spares-per-node", str(max(1, faults)),
+            "--run-dir", str(run.run_dir), "--config", cfg.torchpass_preset, "--quiet", *job,
+        ]  # fmt: skip
+    elif name == "checkpoint":
+        cmd = [*torchrun, w, "--max-restarts", str(faults), "--monitor-interval", "0.1", *job]
+        if cfg.framework != "ddp":
+            # torchrun (torch 2.13) hands restarted workers the rendezvous store of the first attempt, where the
+            # dead group's gloo addresses still are: the restarted group's init_process_group then fails with
+            # "connectFullMesh ... Connection refused". This switch, torch's own, makes each attempt use a store of
+            # its own. (The ddp job, older, prefixes its store per attempt instead: gpt_checkpoint.py.)
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     else:
         raise ValueError(f"unknown strategy {name!r}")
+    run.main.append(_start(cmd, work / "out" / "job.log", env))
     return run
 
 

@@ -20,7 +20,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -139,15 +139,19 @@ class StepLog:
         self.event("step", step=step, seconds=seconds, samples=samples, **fields)
 
 
-def parse_job_args(description: str, checkpointing: bool = False) -> argparse.Namespace:
-    """A job script's arguments: ``--workload`` (the config as JSON), ``--log-dir`` and, with ``checkpointing``,
-    ``--checkpoint-dir`` and ``--checkpoint-every``."""
+def parse_job_args(
+    description: str, checkpointing: bool = False, configure: Callable[[argparse.ArgumentParser], Any] | None = None
+) -> argparse.Namespace:
+    """A job script's arguments: ``--workload`` (the config as JSON), ``--log-dir``, with ``checkpointing``
+    ``--checkpoint-dir`` and ``--checkpoint-every``, and whatever ``configure`` adds to the parser."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--workload", required=True, help="WorkloadConfig as JSON")
     p.add_argument("--log-dir", required=True)
     if checkpointing:
         p.add_argument("--checkpoint-dir", required=True)
         p.add_argument("--checkpoint-every", type=int, required=True, help="K: save after every K-th step")
+    if configure is not None:
+        p = configure(p) or p
     args = p.parse_args()
     args.workload = WorkloadConfig(**json.loads(args.workload))
     torch.set_num_threads(args.workload.threads)
