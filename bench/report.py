@@ -232,12 +232,15 @@ def markdown(results: dict[str, Any], plot: str, control_plane_table: str) -> st
             lines.append(
                 f"| {name} | rank {rec['rank']} at step {rec['at_step']} | {_f(rec['total_s'])} | {phases}{note} | {rec.get('steps_lost', 'n/a')} |"
             )
-    lines += [
-        "",
-        "torchpass: phases from its ledger (`events.jsonl`, `torchpass report --json`), from the fault to the re-executed step "
-        "done. checkpoint: from the fault to the restarted ranks completing the step the job had reached. torchft: the "
-        "survivors' longest stall between two completed steps after the fault, and when the killed group trains again.",
-    ]
+    how = {
+        "torchpass": "torchpass: phases from its ledger (`events.jsonl`, `torchpass report --json`), from the fault to the "
+        "re-executed step done.",
+        "checkpoint": "checkpoint: from the fault to the restarted ranks completing the step the job had reached (the next "
+        "one when the newest checkpoint holds it).",
+        "torchft": "torchft: the survivors' longest stall between two completed steps after the fault, and when the killed "
+        "group trains again.",
+    }
+    lines += ["", " ".join(text for name, text in how.items() if name in results["runs"])]
     rounds = results["runs"].get("torchpass", {}).get("steady_rounds") or []
     if len(rounds) > 1:
         lines += [

@@ -1,6 +1,6 @@
 """The comparison benchmark's smallest configuration runs end to end, so the driver and job scripts do not rot.
 
-Only torchpass (a fault-free run and a run with one fault) on a tiny model; no timing is asserted.
+The quick comparison with torchpass only, and each framework mode, on tiny models; no timing is asserted.
 """
 
 from __future__ import annotations
@@ -33,3 +33,27 @@ def test_quick_comparison_smallest(tmp_path: Path) -> None:
     assert results["transfer"]["loopback_GBps"] > 0
     assert (tmp_path / "quick" / "benchmark_quick.png").exists()
     assert "## Against the goals" in (tmp_path / "quick" / "benchmarks.md").read_text()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("framework", ["deepspeed", "torchtitan"])
+def test_framework_mode_smallest(tmp_path: Path, framework: str) -> None:
+    """torchpass and the framework's own checkpoint restart, one fault each, on the smallest job."""
+    overrides = [
+        "workload.steps=6", "schedule.checkpoint_every=1", "schedule.min_gap_k=3", "schedule.max_gap_k=3",
+        "schedule.tail_steps=2", "steady_rounds=1", "docs=false", f"out={tmp_path}",
+    ]  # fmt: skip
+    if framework == "deepspeed":
+        overrides += ["workload.d_model=64", "workload.layers=1", "workload.heads=2", "workload.vocab=512"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.compare", "--config", framework, *overrides], cwd=REPO, capture_output=True, text=True, timeout=410
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads((tmp_path / framework / "results.json").read_text())["runs"]
+    assert set(runs) == {"baseline", "torchpass", "checkpoint"}
+    for name in ("torchpass", "checkpoint"):
+        (recovery,) = runs[name]["faults"]["recoveries"]
+        assert recovery["total_s"] is not None, (name, recovery)
+        assert runs[name]["faults"]["samples_skipped"] == 0
+    assert runs["torchpass"]["faults"]["recoveries"][0]["phases"]["transfer"] > 0

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from bench.config import load_config
 from bench.metrics import figures, time_lost_per_fault, time_lost_per_fault_paced
 from bench.report import goals, markdown, plot_progress
@@ -22,6 +24,32 @@ def test_configs_compose_and_schedule_is_proportioned() -> None:
         assert all(3 * k <= g <= 5 * k for g in gaps), gaps
         assert faults == fault_schedule(cfg.schedule, cfg.workload.steps, cfg.world_size)  # seeded
     assert load_config("quick", ["workload.steps=7"]).workload.steps == 7
+
+
+def test_framework_modes_compose_and_bad_choices_name_the_field() -> None:
+    ds, titan = load_config("deepspeed", []), load_config("torchtitan", [])
+    assert (ds.framework, ds.zero_stage, titan.framework, titan.titan_layout) == ("deepspeed", 1, "torchtitan", "hsdp")
+    assert "torchft" not in ds.strategies + titan.strategies
+    for overrides, field in (
+        (["framework=jax"], "framework='jax'"),
+        (["strategies=[torchpass,torchft]"], "torchft runs with framework=ddp only"),
+        (["zero_stage=4"], "zero_stage=4"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            load_config("deepspeed", overrides)
+    with pytest.raises(ValueError, match="titan_layout='tp'"):
+        load_config("torchtitan", ["titan_layout=tp"])
+
+
+def test_deepspeed_mode_config_enables_torchpass_only_for_torchpass() -> None:
+    from bench.strategies import deepspeed_config
+
+    cfg = load_config("deepspeed", ["zero_stage=2"])
+    assert "torchpass" not in deepspeed_config(cfg, torchpass=False)
+    with_block = deepspeed_config(cfg, torchpass=True)
+    assert with_block["torchpass"] == {"enabled": True}
+    assert with_block["zero_optimization"] == {"stage": 2}
+    assert with_block["train_micro_batch_size_per_gpu"] == cfg.workload.batch_per_rank
 
 
 def _rec(kind: str, t: float, pid: int, rank: int, **kw) -> dict:
@@ -49,6 +77,23 @@ def test_checkpoint_restart_figures() -> None:
     assert rec["steps_lost"] == 1
     assert rec["phases"] == {"detect_and_restart": 0.5, "init_and_load": 3.0, "recompute": 1.0}
     assert rec["total_s"] == 4.5
+
+
+def test_restart_from_a_checkpoint_of_the_step_reached_recomputes_nothing() -> None:
+    """The fault lands just after the save of step 2: the restart resumes at step 3, nothing is lost."""
+    logs: dict[int, list[dict]] = {}
+    for rank in (0, 1):
+        pid, new = 10 + rank, 20 + rank
+        recs = [_rec("start", 0.0, pid, rank), _rec("ready", 1.0, pid, rank, step=0)]
+        recs += [_rec("step", 1.0 + s, pid, rank, step=s, seconds=1.0, samples=2) for s in (1, 2)]
+        recs += [_rec("start", 5.0, new, rank), _rec("ready", 8.0, new, rank, step=2)]
+        recs += [_rec("step", 6.0 + s, new, rank, step=s, seconds=1.0, samples=2) for s in (3, 4)]
+        logs[rank] = recs
+    run = RunRecord("checkpoint", [Fault(2, 1)], 0.0, 10.0, [3.5], [1], logs)
+    fig = figures(run, n_steps=4, world=2, batch=1)
+    (rec,) = fig.recoveries
+    assert fig.steps_recomputed == 0 and rec["steps_lost"] == 0
+    assert rec["total_s"] == 9.0 - 3.5 and rec["phases"]["recompute"] == 1.0
 
 
 def test_torchft_skipped_samples_and_stall() -> None:
@@ -101,3 +146,33 @@ def test_report_page_plot_and_goals(tmp_path: Path) -> None:
     assert "| checkpoint | 12.0 / 12.0 |" in page and "| table |" in page
     plot_progress(results, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("overrides", "title", "goal"),
+    [
+        (["zero_stage=1"], "DeepSpeed's checkpoint restart", "sharded state: <= 1 step recomputed per fault"),
+        (["zero_stage=0"], "DeepSpeed's checkpoint restart", "0 steps recomputed, 0 samples skipped"),
+    ],
+)
+def test_framework_page_describes_its_job_and_judges_recompute_by_layout(overrides: list[str], title: str, goal: str) -> None:
+    cfg = load_config("deepspeed", overrides)
+    fig = figures(_restart_run(), n_steps=6, world=2, batch=1)
+    as_dict = {**dataclasses.asdict(fig), "fault_s": [4.5]}
+    results = {
+        "command": "python -m bench.compare --config deepspeed",
+        "date": "today",
+        "machine": "test",
+        "versions": {"torch": "x"},
+        "config": dataclasses.asdict(cfg),
+        "params": 1_000_000,
+        "state_bytes": 6_000_000,
+        "world_size": 2,
+        "faults": [{"at_step": 3, "rank": 1}],
+        "out_dir": "out",
+        "runs": {"torchpass": {"clean": as_dict, "faults": {**as_dict, "steps_recomputed": 1}, "time_lost_per_fault_s": 0.5}},
+    }
+    page = markdown(results, "img/p.png", "")
+    assert title in page.splitlines()[0]
+    assert f"ZeRO stage {cfg.zero_stage}" in page and "torchft" not in page
+    assert any(g.startswith(goal) for g, _, _ in goals(results))
