@@ -8,7 +8,7 @@
 3. activate the installed framework integrations
    (:mod:`torchpass.core.integrations`), which hook a framework when the
    script imports it, so an unmodified script is migratable;
-4. a spare imports the script's third-party dependencies (so it is warm), then
+4. a spare imports the modules the script imports (so it is warm), then
    waits for an assignment; once it has a rank it sets the environment
    ``torchrun`` would have given that rank and makes new process groups start
    local;
@@ -38,7 +38,8 @@ __all__ = ["main"]
 
 
 def _third_party_imports(script: str) -> list[str]:
-    """Top-level packages the script imports that are installed (not files next to it)."""
+    """Installed modules the script imports anywhere (a ``main()`` that imports its framework too), in order;
+    not modules of files next to it."""
     try:
         tree = ast.parse(Path(script).read_text(encoding="utf-8"))
     except (OSError, SyntaxError) as exc:
@@ -46,16 +47,17 @@ def _third_party_imports(script: str) -> list[str]:
         return []
     here = Path(script).resolve().parent
     names: list[str] = []
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names += [a.name.split(".")[0] for a in node.names]
+            names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module.split(".")[0])
+            names.append(node.module)
     out = []
     for name in dict.fromkeys(names):
-        if (here / name).exists() or (here / f"{name}.py").exists():
+        top = name.split(".")[0]
+        if (here / top).exists() or (here / f"{top}.py").exists():
             continue
-        if importlib.util.find_spec(name) is not None:
+        if importlib.util.find_spec(top) is not None:
             out.append(name)
     return out
 
@@ -102,6 +104,9 @@ def main(argv: list[str] | None = None) -> None:
     rt = runtime.init_from_env()
     rt.install_signal_handlers()
     integrations.activate_all(args)
+    # The script's command line from the start: a module that reads sys.argv when imported (TorchTitan's
+    # ConfigManager binds it as a default) sees the same in a spare's preload as in the script.
+    sys.argv = [target, *args]
     if rt.role == "spare":
         _preload(target, is_module)
         _become_rank(rt.wait_for_assignment())
@@ -110,7 +115,6 @@ def main(argv: list[str] | None = None) -> None:
     error_handler.initialize()
     code = 0
     try:
-        sys.argv = [target, *args]
         if is_module:
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
