@@ -55,9 +55,10 @@ def _machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs, {mem:.0f} GiB, {platform.system()} {platform.release()}"
 
 
-def _versions() -> dict[str, str]:
+def _versions(cfg: BenchConfig) -> dict[str, str]:
     out = {"python": platform.python_version()}
-    for dist in ("torch", "torchft", "torchpass"):
+    framework = {"ddp": "torchft", "deepspeed": "deepspeed", "torchtitan": "torchtitan"}[cfg.framework]
+    for dist in ("torch", framework, "torchpass"):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -149,7 +150,7 @@ def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
         "command": command,
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": _machine(),
-        "versions": _versions(),
+        "versions": _versions(cfg),
         "config": dataclasses.asdict(cfg),
         **_job_size(cfg),
         "world_size": cfg.world_size,
