@@ -116,28 +116,40 @@ def test_torchft_skipped_samples_and_stall() -> None:
     assert time_lost_per_fault_paced(fig, clean, n_steps=4, world=2, batch=1) == fig.train_s - (4 - 1 - 1) * 1.0
 
 
-def test_report_page_plot_and_goals(tmp_path: Path) -> None:
-    cfg = load_config("quick", [])
-    fig = figures(_restart_run(), n_steps=6, world=2, batch=1)
-    as_dict = {**dataclasses.asdict(fig), "fault_s": [4.5]}
-    results = {
-        "command": "python -m bench.compare --quick",
+def _results(config: str, overrides: list[str], runs: dict[str, dict]) -> dict:
+    """A results mapping as ``bench.compare`` writes it, for a two-rank run with one fault at step 3."""
+    return {
+        "command": f"python -m bench.compare --config {config}",
         "date": "today",
         "machine": "test",
         "versions": {"torch": "x"},
-        "config": dataclasses.asdict(cfg),
+        "config": dataclasses.asdict(load_config(config, overrides)),
         "params": 1_000_000,
         "state_bytes": 12_000_000,
         "world_size": 2,
         "faults": [{"at_step": 3, "rank": 1}],
         "out_dir": "out",
-        "runs": {
+        "runs": runs,
+    }
+
+
+def _restart_figures() -> dict:
+    fig = figures(_restart_run(), n_steps=6, world=2, batch=1)
+    return {**dataclasses.asdict(fig), "fault_s": [4.5]}
+
+
+def test_report_page_plot_and_goals(tmp_path: Path) -> None:
+    as_dict = _restart_figures()
+    results = _results(
+        "quick",
+        [],
+        {
             "checkpoint": {"clean": as_dict, "faults": as_dict, "time_lost_per_fault_s": 4.0, "steady_ratio": 1.2},
             "torchpass": {"clean": as_dict, "faults": {**as_dict, "steps_recomputed": 0}, "time_lost_per_fault_s": 0.5, "steady_ratio": 1.0},
         },
-        "transfer": {"state_bytes": 12_000_000, "fetch_GBps": 1.0, "loopback_GBps": 2.0, "loopback_fresh_GBps": 1.0, "ratio": 0.5},
-        "control_plane": [{"ranks": 64, "critical_s": 0.01}, {"ranks": 128, "critical_s": 0.02}],
-    }
+    )
+    results["transfer"] = {"state_bytes": 12_000_000, "fetch_GBps": 1.0, "loopback_GBps": 2.0, "loopback_fresh_GBps": 1.0, "ratio": 0.5}
+    results["control_plane"] = [{"ranks": 64, "critical_s": 0.01}, {"ranks": 128, "critical_s": 0.02}]
     met = {goal: ok for goal, _, ok in goals(results)}
     assert met["time lost per failure (vs fault-free run) <= 0.2 x checkpoint's"] is True
     assert met["steady-state step time <= 1.01 x baseline"] is True
@@ -156,23 +168,10 @@ def test_report_page_plot_and_goals(tmp_path: Path) -> None:
     ],
 )
 def test_framework_page_describes_its_job_and_judges_recompute_by_layout(overrides: list[str], title: str, goal: str) -> None:
-    cfg = load_config("deepspeed", overrides)
-    fig = figures(_restart_run(), n_steps=6, world=2, batch=1)
-    as_dict = {**dataclasses.asdict(fig), "fault_s": [4.5]}
-    results = {
-        "command": "python -m bench.compare --config deepspeed",
-        "date": "today",
-        "machine": "test",
-        "versions": {"torch": "x"},
-        "config": dataclasses.asdict(cfg),
-        "params": 1_000_000,
-        "state_bytes": 6_000_000,
-        "world_size": 2,
-        "faults": [{"at_step": 3, "rank": 1}],
-        "out_dir": "out",
-        "runs": {"torchpass": {"clean": as_dict, "faults": {**as_dict, "steps_recomputed": 1}, "time_lost_per_fault_s": 0.5}},
-    }
+    as_dict = _restart_figures()
+    runs = {"torchpass": {"clean": as_dict, "faults": {**as_dict, "steps_recomputed": 1}, "time_lost_per_fault_s": 0.5}}
+    results = _results("deepspeed", overrides, runs)
     page = markdown(results, "img/p.png", "")
     assert title in page.splitlines()[0]
-    assert f"ZeRO stage {cfg.zero_stage}" in page and "torchft" not in page
+    assert f"ZeRO stage {results['config']['zero_stage']}" in page and "torchft" not in page
     assert any(g.startswith(goal) for g, _, _ in goals(results))
