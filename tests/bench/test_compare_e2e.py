@@ -39,10 +39,13 @@ def test_quick_comparison_smallest(tmp_path: Path) -> None:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("framework", ["deepspeed", "torchtitan"])
 def test_framework_mode_smallest(tmp_path: Path, framework: str) -> None:
-    """torchpass and the framework's own checkpoint restart, one fault each, on the smallest job."""
+    """torchpass and the framework's own checkpoint restart, one fault each, on the smallest job.
+
+    The fault (step 3) falls between checkpoints (steps 2 and 4): DeepSpeed 0.19.8 names a checkpoint
+    ``latest`` before every rank has written it, so a kill during a save can leave nothing to restart from."""
     overrides = [
-        "workload.steps=6", "schedule.checkpoint_every=1", "schedule.min_gap_k=3", "schedule.max_gap_k=3",
-        "schedule.tail_steps=2", "steady_rounds=1", "docs=false", f"out={tmp_path}",
+        "workload.steps=6", "schedule.checkpoint_every=2", "schedule.min_gap_k=1.5", "schedule.max_gap_k=1.5",
+        "schedule.tail_steps=2", "strategies=[torchpass,checkpoint]", "docs=false", f"out={tmp_path}",
     ]  # fmt: skip
     if framework == "deepspeed":
         overrides += ["workload.d_model=64", "workload.layers=1", "workload.heads=2", "workload.vocab=512"]
@@ -51,7 +54,7 @@ def test_framework_mode_smallest(tmp_path: Path, framework: str) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = json.loads((tmp_path / framework / "results.json").read_text())["runs"]
-    assert set(runs) == {"baseline", "torchpass", "checkpoint"}
+    assert set(runs) == {"torchpass", "checkpoint"}
     for name in ("torchpass", "checkpoint"):
         (recovery,) = runs[name]["faults"]["recoveries"]
         assert recovery["total_s"] is not None, (name, recovery)
