@@ -140,9 +140,7 @@ def titan_args(cfg: BenchConfig, work: Path, torchpass: bool) -> list[str]:
     ``debugmodel``, with its ``[torchpass]`` section only for ``torchpass``), the workload's steps, batch,
     sequence length and seed, ``cfg.titan_layout``, generated assets, the run directory as dump folder."""
     from tests.support.torchtitan.assets import make_assets
-    from tests.support.torchtitan.jobs import JOB_TOML, LAYOUTS
-
-    from .torchtitan_bench import without_section
+    from tests.support.torchtitan.jobs import JOB_TOML, LAYOUTS, without_section
 
     assets_dir = work.parent / "titan_assets"
     assets = make_assets(assets_dir)

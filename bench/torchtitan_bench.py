@@ -39,22 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.support.harness import JobRun  # noqa: E402
 from tests.support.torchtitan.assets import make_assets  # noqa: E402
-from tests.support.torchtitan.jobs import JOB_TOML, LAYOUTS, launch_titan, torchrun_titan  # noqa: E402
+from tests.support.torchtitan.jobs import JOB_TOML, LAYOUTS, launch_titan, torchrun_titan, without_section  # noqa: E402
 
 WARMUP_STEPS = 3
-
-
-def without_section(toml: str) -> str:
-    """The job config without the lines that enable torchpass (the custom config module and the table)."""
-    out, skipping = [], False
-    for line in toml.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("["):
-            skipping = stripped == "[torchpass]" or stripped.startswith("[torchpass.")
-        if skipping or stripped.startswith("custom_config_module"):
-            continue
-        out.append(line)
-    return "\n".join(out) + "\n"
 
 
 def step_times(run: JobRun) -> tuple[float, float]:

@@ -140,7 +140,7 @@ class StepLog:
 
 
 def parse_job_args(
-    description: str, checkpointing: bool = False, configure: Callable[[argparse.ArgumentParser], Any] | None = None
+    description: str, checkpointing: bool = False, configure: Callable[[argparse.ArgumentParser], object] | None = None
 ) -> argparse.Namespace:
     """A job script's arguments: ``--workload`` (the config as JSON), ``--log-dir``, with ``checkpointing``
     ``--checkpoint-dir`` and ``--checkpoint-every``, and whatever ``configure`` adds to the parser."""
@@ -151,7 +151,7 @@ def parse_job_args(
         p.add_argument("--checkpoint-dir", required=True)
         p.add_argument("--checkpoint-every", type=int, required=True, help="K: save after every K-th step")
     if configure is not None:
-        p = configure(p) or p
+        configure(p)
     args = p.parse_args()
     args.workload = WorkloadConfig(**json.loads(args.workload))
     torch.set_num_threads(args.workload.threads)

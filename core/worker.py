@@ -37,9 +37,9 @@ from . import comms, integrations, runtime
 __all__ = ["main"]
 
 
-def _third_party_imports(script: str) -> list[str]:
-    """Installed modules the script imports anywhere (a ``main()`` that imports its framework too), in order;
-    not modules of files next to it."""
+def _script_imports(script: str) -> list[str]:
+    """Installed modules the script imports anywhere (a ``main()`` that imports its framework too), module-level
+    imports first; not modules of files next to it."""
     try:
         tree = ast.parse(Path(script).read_text(encoding="utf-8"))
     except (OSError, SyntaxError) as exc:
@@ -78,7 +78,7 @@ _WARM = (
 
 def _preload(target: str, is_module: bool) -> None:
     """Import what the script will import, so a spare's set-up after assignment is short."""
-    names = [target] if is_module else _third_party_imports(target)
+    names = [target] if is_module else _script_imports(target)
     for name in [*_WARM, *names]:
         try:
             importlib.import_module(name)

@@ -40,11 +40,11 @@ class GPTLoss(torch.nn.Module):
 
 
 def main() -> None:
-    def configure(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def configure(p: argparse.ArgumentParser) -> None:
         p.add_argument("--mode", choices=("plain", "checkpoint", "torchpass"), required=True)
         p.add_argument("--checkpoint-dir", help="--mode checkpoint: where engine.save_checkpoint writes")
         p.add_argument("--checkpoint-every", type=int, default=0, help="--mode checkpoint: K, save after every K-th step")
-        return deepspeed.add_config_arguments(p)
+        deepspeed.add_config_arguments(p)
 
     args = parse_job_args(__doc__, configure=configure)
     if args.mode == "checkpoint" and not (args.checkpoint_dir and args.checkpoint_every > 0):

@@ -48,16 +48,17 @@ def install_step_log(trainer_class: type, log_dir: str) -> None:
     from bench.workload import StepLog
 
     train_step = trainer_class.train_step
-    log: list[StepLog] = []
+    log: StepLog | None = None
 
     def logged_train_step(self: Any, data_iterator: Any) -> Any:
-        if not log:
-            log.append(StepLog(log_dir, int(os.environ["RANK"]), T_START))
-            log[0].event("ready", step=self.step - 1)
+        nonlocal log
+        if log is None:
+            log = StepLog(log_dir, int(os.environ["RANK"]), T_START)
+            log.event("ready", step=self.step - 1)
         t0 = time.perf_counter()
         out = train_step(self, data_iterator)
         samples = int(os.environ["WORLD_SIZE"]) * self.job_config.training.local_batch_size
-        log[0].step(self.step, time.perf_counter() - t0, samples=samples)
+        log.step(self.step, time.perf_counter() - t0, samples=samples)
         return out
 
     trainer_class.train_step = logged_train_step

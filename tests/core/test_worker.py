@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchpass.core.worker import _third_party_imports
+from torchpass.core.worker import _script_imports
 
 
 def test_a_spare_preloads_every_installed_module_the_script_imports(tmp_path: Path) -> None:
@@ -21,11 +21,11 @@ def test_a_spare_preloads_every_installed_module_the_script_imports(tmp_path: Pa
         "    if True:\n"
         "        from torch.utils.data import DataLoader\n"
     )
-    names = _third_party_imports(str(script))
+    names = _script_imports(str(script))
     # Full module paths, imports inside functions included, files next to the script and absent packages left out.
     assert names == ["json", "torch.nn", "torch.distributed.checkpoint", "numpy.linalg", "torch.utils.data"]
 
 
 def test_an_unreadable_script_preloads_nothing(tmp_path: Path, capsys) -> None:
-    assert _third_party_imports(str(tmp_path / "missing.py")) == []
+    assert _script_imports(str(tmp_path / "missing.py")) == []
     assert "not preloading imports" in capsys.readouterr().err

@@ -16,7 +16,7 @@ from tests.support.harness import REPO, JobRun, free_port, launch
 
 from .assets import Assets
 
-__all__ = ["ENTRY_POINT", "JOB_TOML", "LAYOUTS", "STEPS", "job_args", "job_env", "launch_titan", "torchrun_titan"]
+__all__ = ["ENTRY_POINT", "JOB_TOML", "LAYOUTS", "STEPS", "job_args", "job_env", "launch_titan", "torchrun_titan", "without_section"]
 
 SUPPORT = Path(__file__).resolve().parent
 JOB_TOML = SUPPORT / "job.toml"
@@ -83,3 +83,16 @@ def torchrun_titan(
     if run.wait(timeout) != 0:
         raise AssertionError(f"torchrun job failed:\n{run.output()[-4000:]}")
     return run
+
+
+def without_section(toml: str) -> str:
+    """The job config without the lines that enable torchpass (the custom config module and the table)."""
+    out, skipping = [], False
+    for line in toml.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("["):
+            skipping = stripped == "[torchpass]" or stripped.startswith("[torchpass.")
+        if skipping or stripped.startswith("custom_config_module"):
+            continue
+        out.append(line)
+    return "\n".join(out) + "\n"
