@@ -32,6 +32,7 @@ __all__ = [
     "deep_merge",
     "preset_names",
     "register_with_hydra",
+    "unknown_key_error",
 ]
 
 REDUNDANCY_MODES = ("auto", "replica", "buddy")
@@ -39,6 +40,13 @@ REDUNDANCY_MODES = ("auto", "replica", "buddy")
 
 class ConfigError(ValueError):
     """A configuration value was rejected; the message names the field, the value and what is valid."""
+
+
+def unknown_key_error(source: str, prefix: str, key: str, valid: list[str]) -> ConfigError:
+    """The error for a key no schema field has: names it, the closest valid key, and every valid key."""
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return ConfigError(f"{source}: unknown key {prefix}{key}{hint}; valid keys: {', '.join(sorted(valid))}")
 
 
 def _positive(value: float) -> bool:
@@ -203,9 +211,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str, source: str) -> Any:
     kwargs: dict[str, Any] = {}
     for key, value in data.items():
         if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"{source}: unknown key {prefix}{key!s}{hint}; valid keys: {', '.join(sorted(fields))}")
+            raise unknown_key_error(source, prefix, str(key), list(fields))
         expected = hints[key]
         if dataclasses.is_dataclass(expected):
             kwargs[key] = _build(expected, value, f"{prefix}{key}.", source)

@@ -14,7 +14,11 @@ differ per batch rank), so this subclass
 * adds to every snapshot the loader state from which the next batch to hand
   out is drawn, and the batch rank whose stream it is;
 * fast-forwards a spare by loading that state into its loader, after checking
-  the stream is its own.
+  the stream is its own;
+* answers the loader's ``state_dict()`` with that same state, the position of
+  the next batch the job trains on, so TorchTitan's own checkpoint records
+  what a fault-free run would, even where this class has read ahead of it (a
+  spare's fresh iterator holds its first batch as soon as it opens).
 
 A loader that runs out raises TorchTitan's ``DataloaderExhaustedError``
 instead of starting a new epoch, so TorchTitan's ``train()`` ends training
@@ -50,6 +54,9 @@ class TitanData(ReplayableData):
 
     def __init__(self, loader: Any, *, stream: str, keep_steps: int):
         self.loader = loader
+        self._loader_state = loader.state_dict
+        # What TorchTitan's checkpointer saves (it calls the loader's state_dict()).
+        loader.state_dict = self.loader_state
         self.stream = stream
         self._start_state: Any = None
         """The loader state a fresh iterator starts from: None for the beginning, else what a spare loaded."""
@@ -76,13 +83,19 @@ class TitanData(ReplayableData):
             except StopIteration:
                 raise DataloaderExhaustedError() from None
             yield batch
-            state = self.loader.state_dict()
+            state = self._loader_state()
 
     def _next_state(self) -> Any:
         """The loader state the batch at ``position`` is drawn from."""
-        if self.position < self.read:
+        if self.position in self._drawn_from:
+            # Drawn already: a batch replayed, or read ahead of the position.
             return self._drawn_from[self.position]
-        return self.loader.state_dict() if self._iterating else self._start_state
+        assert self.position >= self.read, f"batch {self.position} was read but its loader state was dropped"
+        return self._loader_state() if self._iterating else self._start_state
+
+    def loader_state(self) -> Any:
+        """The loader's ``state_dict()`` as TorchTitan sees it: the state the next batch the job trains on is drawn from."""
+        return self._next_state()
 
     # ---- the runtime's side ----------------------------------------------
     def mark_step(self, step: int) -> None:
@@ -113,3 +126,7 @@ class TitanData(ReplayableData):
         # The loaded state already stands at the target: the fresh iterator has nothing to skip.
         super().fast_forward({**target, "in_epoch": 0})
         self.in_epoch = target["in_epoch"]
+        if self._drawn_from:
+            # Opening the iterator drew the batch at the target already (before the
+            # position was set, so under the wrong index): it was drawn from `state`.
+            self._drawn_from = {self.read: state}

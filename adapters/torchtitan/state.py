@@ -44,7 +44,7 @@ Invariants and why they hold:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -83,8 +83,9 @@ class TitanStateProvider:
     ``train_step``; the optimizers container's ``step()`` is the commit.
     """
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: Any, on_resume: Callable[[], None] | None = None):
         self._trainer = trainer
+        self._on_resume = on_resume
         self._model_parts: list[torch.nn.Module] = list(trainer.model_parts)
         self._ddps = [d for d in map(replicated_ddp, self._model_parts) if d is not None]
         for d in self._ddps:
@@ -147,6 +148,11 @@ class TitanStateProvider:
         if "ddp" in components:
             for d, layout in zip(self._ddps, components["ddp"], strict=True):
                 ddp_support.adopt_layout(d, layout)
+
+    def resume(self) -> None:
+        """After the rebuild, on every member: the trainer's own resume work (see ``on_resume``)."""
+        if self._on_resume is not None:
+            self._on_resume()
 
     def discard_step(self) -> None:
         for part in self._model_parts:

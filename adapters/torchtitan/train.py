@@ -9,7 +9,9 @@ takes exactly TorchTitan's command line (``--job.config_file``, ``--section.key
 value`` overrides). Started by ``torchrun`` instead, it behaves like
 ``python -m torchtitan.train``. A job that names no ``custom_config_module``
 of its own gets torchpass's (:func:`with_torchpass_section`), so a TOML with
-just a ``[torchpass]`` section is accepted.
+just a ``[torchpass]`` section is accepted, and that section's keys are
+checked before TorchTitan parses them (an unknown key fails naming the closest
+valid one).
 """
 
 import sys
@@ -19,6 +21,7 @@ from pathlib import Path
 from torchtitan.config import ConfigManager
 from torchtitan.train import main
 
+from torchpass.adapters.torchtitan.job_config import check_table
 from torchpass.adapters.torchtitan.trainer import TorchPassTrainer
 
 SECTION_MODULE = "torchpass.adapters.torchtitan.job_config"
@@ -38,15 +41,19 @@ def with_torchpass_section(argv: list[str]) -> list[str]:
 
     TorchTitan rejects a TOML section no config module declares; a job with
     its own ``custom_config_module`` declares the section there (see
-    docs/adapters/torchtitan.md) and is left as it is.
+    docs/adapters/torchtitan.md) and is left as it is. Otherwise the TOML's
+    ``[torchpass]`` table is checked here, before TorchTitan parses it.
     """
     if _option(argv, "--job.custom_config_module") is not None:
         return argv
-    config_file = _option(argv, "--job.config_file")
+    config_file = _option(argv, "--job.config_file") or _option(argv, "--job.config-file")
     if config_file is not None:
         with Path(config_file).open("rb") as f:
-            if "custom_config_module" in tomllib.load(f).get("job", {}):
-                return argv
+            toml = tomllib.load(f)
+        if "custom_config_module" in toml.get("job", {}):
+            return argv
+        if "torchpass" in toml:
+            check_table(toml["torchpass"], f"[torchpass] section of {config_file}")
     return [*argv, "--job.custom_config_module", SECTION_MODULE]
 
 

@@ -46,16 +46,18 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
+from torch.distributed.checkpoint.api import CheckpointException
 from torchtitan.config import JobConfig
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from torchpass.core import runtime
 from torchpass.core.api import watch_backward
-from torchpass.core.config import TorchPassConfig
+from torchpass.core.config import ConfigError, TorchPassConfig
 from torchpass.core.loop import Step
 
 from . import replicate
+from .checkpointing import Checkpoints
 from .data import TitanData
 from .job_config import resolve_config
 from .state import TitanStateProvider
@@ -66,8 +68,10 @@ def migration_config(job_config: JobConfig) -> TorchPassConfig | None:
     """The job's torchpass config when this process should migrate, else None.
 
     Validates the ``[torchpass]`` section whenever it exists (so a bad key fails
-    the same way with or without ``torchpass launch``) and installs the result
-    as the runtime's config, which rank 0 reports to the controller.
+    the same way with or without ``torchpass launch``), refuses what cannot be
+    migrated (pipeline parallelism, TorchTitan's own fault tolerance, an
+    asynchronous checkpointer) naming the setting, and installs the result as
+    the runtime's config, which rank 0 reports to the controller.
     """
     section = getattr(job_config, "torchpass", None)
     rt = runtime.current()
@@ -85,58 +89,136 @@ def migration_config(job_config: JobConfig) -> TorchPassConfig | None:
         )
         return None
     if not config.enabled:
-        logger.warning("torchpass: [torchpass] enabled = false: running without live migration, a failed rank stops the job")
+        logger.warning("torchpass: [torchpass] enable = false: running without live migration, a failed rank stops the job")
         return None
-    pp = job_config.parallelism.pipeline_parallel_degree
-    if pp > 1:
-        raise ValueError(
-            f"torchpass: parallelism.pipeline_parallel_degree = {pp}: the TorchTitan adapter does not migrate "
-            "pipeline-parallel jobs yet (an interrupted pipeline schedule leaves per-stage buffers it cannot reset); "
-            "use 1, or set [torchpass] enabled = false to run without migration"
-        )
+    _refuse_unsupported(job_config)
     rt.config = config
     return config
 
 
+def _refuse_unsupported(job_config: JobConfig) -> None:
+    """Fail before training, naming the setting, for what the adapter cannot migrate."""
+    off = "or set [torchpass] enable = false to run without migration"
+    pp = job_config.parallelism.pipeline_parallel_degree
+    if pp > 1:
+        raise ConfigError(
+            f"torchpass: parallelism.pipeline_parallel_degree = {pp}: the TorchTitan adapter does not migrate "
+            f"pipeline-parallel jobs yet (an interrupted pipeline schedule leaves per-stage buffers it cannot reset); use 1, {off}"
+        )
+    ft = getattr(job_config, "fault_tolerance", None)
+    if ft is not None and ft.enable:
+        raise ConfigError(
+            "torchpass: [fault_tolerance] enable = true and [torchpass] enable = true: only one of them can drive "
+            "recovery. TorchTitan's fault tolerance (torchft) drops a failed replica group and continues without it, "
+            "healing it later from a peer; torchpass replaces the failed rank with a spare at the same step and world "
+            "size. Both would react to the same failure with different process groups and different data. Set "
+            f"[fault_tolerance] enable = false to migrate, {off}"
+        )
+    ckpt = job_config.checkpoint
+    if ckpt.enable and ckpt.async_mode != "disabled":
+        raise ConfigError(
+            f"torchpass: checkpoint.async_mode = {ckpt.async_mode!r}: an asynchronous save runs on past the step that "
+            "started it, so a migration cannot re-execute it consistently on every rank; use "
+            f"async_mode = \"disabled\", {off}"
+        )
+
+
+_STEP, _SAVE = 0, 1
+"""What a position names: executing a step, or TorchTitan's checkpoint save after it."""
+
+
 class _Migration:
-    """The trainer's side of the protocol: state provider, replayable data, attach and guarded steps."""
+    """The trainer's side of the protocol: state provider, replayable data, attach, guarded steps and saves.
+
+    The job's progress is a position ``(step, what)``, ordered: ``(k, _STEP)``
+    then ``(k, _SAVE)`` then ``(k + 1, _STEP)``. TorchTitan's ``train()`` asks
+    for a step (``train_step``) or a save (``checkpointer.save``), and
+    :meth:`drive` performs every action from the current position up to the one
+    asked for. A migration moves the position: to the save of the target version
+    when that save is owed (see :mod:`.checkpointing`), else to the step after it,
+    which may be behind (a rollback: the steps are executed again) or ahead (the
+    fault came after the step's commit) of where ``train()`` stands.
+    """
 
     def __init__(self, trainer: Trainer, rt: runtime.Runtime, config: TorchPassConfig):
         self.runtime = rt
+        self.trainer = trainer
         for part in trainer.model_parts:
             replicate.build_now(part)
-        self.provider = TitanStateProvider(trainer)
+        self.checkpoints = Checkpoints(
+            trainer.checkpointer, last_step=trainer.job_config.training.steps, device=trainer.device, joining=rt.role == "spare"
+        )
+        self.provider = TitanStateProvider(trainer, on_resume=self._on_resume)
         self.data = TitanData(trainer.dataloader, stream=_batch_stream(trainer), keep_steps=config.buddy_interval_steps + 1)
         watch_backward(trainer.model_parts[0], rt.backward_started)
+        self._train_step: Callable[[], None] | None = None
         self._attached = False
+        self._position = (1, _STEP)
+        trainer.checkpointer.save = self.save
 
     def batches(self) -> Iterator[Any]:
         """An endless iterator over the data's batches (a re-executed step's again)."""
         while True:
             yield self.data.next_batch()
 
-    def execute(self, trainer: Trainer, train_step: Callable[[], None]) -> None:
-        """Execute step ``trainer.step`` (the one ``train()`` asks for); return once it completed."""
-        rt = self.runtime
-        number = target = trainer.step
+    def execute(self, train_step: Callable[[], None]) -> None:
+        """``train_step`` for the step ``train()`` asks for; returns once it (and all before it) completed."""
+        trainer = self.trainer
+        self._train_step = train_step
+        goal = trainer.step
         if not self._attached:
-            # An active rank starts at `target`; a spare fetches its state here and
-            # learns the step the job stands at, which ``train()`` then continues from.
-            number = target = rt.attach(self.provider, self.data, target, [trainer.optimizers])
+            # An active rank starts at `trainer.step`; a spare fetches its state here and learns
+            # where the job stands, which ``train()`` then continues from.
+            first = self.runtime.attach(self.provider, self.data, trainer.step, [trainer.optimizers])
             self._attached = True
-        # A spare that joins after the last step committed has nothing left to execute.
-        target = min(target, trainer.job_config.training.steps)
-        while number <= target:
+            self._migrated(first)
+            # A spare that joins after the last step committed has only the last save left, if owed.
+            goal = min(first, trainer.job_config.training.steps)
+        self.drive((goal, _STEP))
+        trainer.step = goal
+
+    def save(self, curr_step: int, last_step: bool = False) -> None:
+        """``checkpointer.save`` as ``train()`` calls it after each step: guarded, at most once per step."""
+        del last_step  # the checkpointer's own rule decides (Checkpoints.due)
+        self.drive((curr_step, _SAVE))
+
+    def drive(self, goal: tuple[int, int]) -> None:
+        """Perform every action from the current position up to and including ``goal``."""
+        rt = self.runtime
+        while self._position <= goal:
+            number, what = self._position
             if rt.ending.is_set():
-                number = rt.recover(f"generation ended before step {number}: {rt.ending_reason}")
+                self._migrated(rt.recover(f"generation ended before {'step' if what == _STEP else 'the save of step'} {number}: {rt.ending_reason}"))
                 continue
-            trainer.step = number
-            step = Step(number)
-            with step:
-                self.provider.begin_step()
-                train_step()
-            number = step.resume_at if step.resume_at is not None else number + 1
-        trainer.step = target
+            if what == _STEP:
+                assert self._train_step is not None
+                self.trainer.step = number
+                step = Step(number)
+                with step:
+                    self.provider.begin_step()
+                    self._train_step()
+                if step.resume_at is not None:
+                    self._migrated(step.resume_at)
+                    continue
+                self._position = (number, _SAVE)
+                continue
+            try:
+                self.checkpoints.write(number)
+            except (Exception, CheckpointException) as exc:
+                # DCP raises CheckpointException (a BaseException) for failures it gathered from ranks.
+                if not rt.is_comm_failure(exc):
+                    raise
+                self._migrated(rt.recover(f"checkpoint save of step {number}: {type(exc).__name__}: {str(exc)[:300]}"))
+                continue
+            self._position = (number + 1, _STEP)
+
+    def _on_resume(self) -> None:
+        # Every member, after the rebuild: agree whether the save of the target version is owed.
+        self.checkpoints.agree(self.runtime.version, joining=not self._attached)
+
+    def _migrated(self, resume_at: int) -> None:
+        target = resume_at - 1
+        self._position = (target, _SAVE) if self.checkpoints.pending == target else (resume_at, _STEP)
 
 
 def _batch_stream(trainer: Trainer) -> str:
@@ -166,4 +248,4 @@ class TorchPassTrainer(Trainer):
         if self._migration is None:
             super().train_step(data_iterator)
             return
-        self._migration.execute(self, lambda: super(TorchPassTrainer, self).train_step(data_iterator))
+        self._migration.execute(lambda: super(TorchPassTrainer, self).train_step(data_iterator))

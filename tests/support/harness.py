@@ -105,21 +105,24 @@ class JobRun:
 
         A step re-executed after a migration appears twice only if its first run
         reached the loss line; both runs must then agree, which is checked here.
+        Jobs whose probe records gradient norms (``grad_norms/``) get those too,
+        under the same rule.
         """
         out: dict[int, dict[str, Any]] = {}
         for f in sorted((self.workdir / "out").glob("rank*.json")):
             out[int(f.stem[4:])] = json.loads(f.read_text())
-        for f in sorted((self.workdir / "losses").glob("rank*.jsonl")):
-            rank = int(f.stem[4:])
-            curve: dict[int, float] = {}
-            for line in f.read_text().splitlines():
-                if not line.strip():
-                    continue
-                rec = json.loads(line)
-                if rec["step"] in curve:
-                    assert curve[rec["step"]] == rec["loss"], f"rank {rank} step {rec['step']} ran twice with different losses"
-                curve[rec["step"]] = rec["loss"]
-            out.setdefault(rank, {})["losses"] = curve
+        for folder, key, name in (("losses", "loss", "losses"), ("grad_norms", "grad_norm", "grad_norms")):
+            for f in sorted((self.workdir / folder).glob("rank*.jsonl")):
+                rank = int(f.stem[4:])
+                curve: dict[int, float] = {}
+                for line in f.read_text().splitlines():
+                    if not line.strip():
+                        continue
+                    rec = json.loads(line)
+                    if rec["step"] in curve:
+                        assert curve[rec["step"]] == rec[key], f"rank {rank} step {rec['step']} ran twice with different {name}"
+                    curve[rec["step"]] = rec[key]
+                out.setdefault(rank, {})[name] = curve
         return out
 
     def ledger(self) -> list[dict[str, Any]]:
@@ -193,17 +196,19 @@ def _wait_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 6
 
 
 def assert_bitwise(run: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]]) -> None:
-    """Every rank's final state digest and every step's loss equal the fault-free run's, bit for bit."""
+    """Every rank's final state digest and every step's loss (and gradient norm, where recorded) equal the fault-free run's, bit for bit."""
     assert sorted(run) == sorted(reference), f"ranks {sorted(run)} vs reference {sorted(reference)}"
     for rank, ref in reference.items():
         got = run[rank]
         assert got["digest"] == ref["digest"], f"rank {rank}: final model/optimizer state differs from the fault-free run"
-        assert sorted(got["losses"]) == sorted(ref["losses"]), (
-            f"rank {rank}: steps with a loss {sorted(set(ref['losses']) ^ set(got['losses']))} differ from the fault-free run"
-        )
-        for step, loss in ref["losses"].items():
-            assert got["losses"][step] == loss, f"rank {rank} step {step}: loss {got['losses'][step]!r} != fault-free {loss!r}"
-
+        for curve, what in (("losses", "loss"), ("grad_norms", "grad norm")):
+            if curve not in ref:
+                continue
+            assert sorted(got[curve]) == sorted(ref[curve]), (
+                f"rank {rank}: steps with a {what} {sorted(set(ref[curve]) ^ set(got[curve]))} differ from the fault-free run"
+            )
+            for step, value in ref[curve].items():
+                assert got[curve][step] == value, f"rank {rank} step {step}: {what} {got[curve][step]!r} != fault-free {value!r}"
 
 
 def assert_migrated(

@@ -16,7 +16,20 @@ from tests.support.harness import REPO, JobRun, free_port, launch
 
 from .assets import Assets
 
-__all__ = ["ENTRY_POINT", "JOB_TOML", "LAYOUTS", "STEPS", "job_args", "job_env", "launch_titan", "torchrun_titan", "without_section"]
+__all__ = [
+    "ENTRY_POINT",
+    "JOB_TOML",
+    "LAYOUTS",
+    "SHIPPED",
+    "STEPS",
+    "checkpoint_digest",
+    "job_args",
+    "job_env",
+    "launch_titan",
+    "shipped_args",
+    "torchrun_titan",
+    "without_section",
+]
 
 SUPPORT = Path(__file__).resolve().parent
 JOB_TOML = SUPPORT / "job.toml"
@@ -31,6 +44,47 @@ LAYOUTS: dict[str, list[str]] = {
     "tp_fsdp": ["--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "2"],
 }
 """TorchTitan flags of each tested layout over 4 ranks."""
+
+
+SHIPPED: dict[str, Path] = {name: SUPPORT / "shipped" / f"{name}.toml" for name in ("debug_model", "llama3_8b")}
+"""TorchTitan 0.2.2's llama3 job configs, verbatim, plus ``[torchpass] enable = true`` (see ``shipped/``)."""
+
+SHIPPED_SCALE: dict[str, list[str]] = {
+    "debug_model": [],
+    "llama3_8b": ["--model.flavor", "debugmodel", "--training.steps", "10", "--lr_scheduler.warmup_steps", "2"],
+}
+"""Per shipped config, what scales it to this machine besides the common flags of :func:`shipped_args`."""
+
+
+def shipped_args(name: str, layout: str, assets: Assets, extra: list[str] | None = None) -> list[str]:
+    """TorchTitan's command line running shipped config ``name`` on 4 CPU ranks, the way a user scales one down.
+
+    Only scale and reproducibility change, on the command line: the parallelism
+    (``layout``), the batch shape (2 x 256 tokens per rank, not 8 x 2048: about
+    20 s a step on this machine), the assets and the dump folder, the seed and
+    deterministic kernels (the bitwise oracle compares two runs), and
+    checkpointing switched on (the configs ship it off). Mixed precision (bf16),
+    activation checkpointing, logging and every other value stay as shipped.
+    """
+    return [
+        "--job.config_file", str(SHIPPED[name]), "--job.dump_folder", ".", *assets.overrides(), *LAYOUTS[layout],
+        "--training.seq_len", "256", "--training.local_batch_size", "2",
+        "--debug.seed", "42", "--debug.deterministic", "--checkpoint.enable",
+        *SHIPPED_SCALE[name], *(extra or []),
+    ]  # fmt: skip
+
+
+def checkpoint_digest(folder: Path) -> str:
+    """SHA-256 over everything a TorchTitan (DCP) checkpoint folder holds, read without a process group."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from torchpass.core.manifest import state_digest
+
+    state: dict = {}
+    _load_state_dict(state, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state_digest(state)
 
 
 def job_env(hf_cache: Path) -> dict[str, str]:

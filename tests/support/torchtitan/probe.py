@@ -11,8 +11,16 @@ under the job's working directory:
   killed later in the step survives it, with the wall-clock time and the
   process's CPU time (all threads) then: the benchmark's step clocks. The test jobs run one microbatch per step (no
   gradient accumulation), so this is one line per step execution;
+* ``grad_norms/rank<r>.jsonl``: the rank's gradient norm of each step, as
+  TorchTitan's ``clip_grad_norm_`` returns it (the value TorchTitan logs);
 * ``out/rank<r>.json`` once training ends: a SHA-256 over the rank's model
   shards, optimizer state and LR scheduler state, and its PID.
+
+With ``TORCHPASS_TEST_TORCHTITAN_KILL_IN_SAVE=<rank>:<step>`` the process of
+that rank SIGKILLs itself inside TorchTitan's checkpoint save of that step,
+after its own shards are written and before the save's closing collective:
+a real fault in a window a signal sent from outside cannot hit reliably. Only
+the process the rank started in does; a spare that takes the rank over does not.
 
 Losses are recorded as Python floats, which JSON round-trips exactly, so
 comparing them is a bitwise comparison of the float32 loss.
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +40,9 @@ from torch.distributed.tensor import DTensor
 
 from torchpass.core.manifest import state_digest
 
-__all__ = ["install", "final_state"]
+__all__ = ["KILL_IN_SAVE_ENV", "install", "final_state"]
+
+KILL_IN_SAVE_ENV = "TORCHPASS_TEST_TORCHTITAN_KILL_IN_SAVE"
 
 
 def _local(value: Any) -> Any:
@@ -49,11 +60,56 @@ def final_state(trainer: Any) -> dict[str, Any]:
     return {"model": model, "optimizer": optimizers, "lr_scheduler": trainer.lr_schedulers.state_dict()}
 
 
+def _append(path: Path, record: dict[str, Any]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+_EXECUTING: dict[str, Any] = {}
+"""The trainer whose ``train_step`` is running (one per process)."""
+
+
+def _probe_grad_norm(dist_utils: Any, workdir: Path, rank: Any) -> None:
+    """Record what ``dist_utils.clip_grad_norm_`` returns (``train_step`` looks it up at call time)."""
+    clip = getattr(dist_utils.clip_grad_norm_, "__wrapped__", dist_utils.clip_grad_norm_)
+
+    def probed_clip(*args: Any, **kwargs: Any) -> torch.Tensor:
+        norm = clip(*args, **kwargs)
+        step = _EXECUTING["trainer"].step
+        _append(workdir / "grad_norms" / f"rank{rank()}.jsonl", {"step": step, "grad_norm": _local(norm).item()})
+        return norm
+
+    probed_clip.__wrapped__ = clip  # type: ignore[attr-defined]
+    dist_utils.clip_grad_norm_ = probed_clip
+
+
+def _kill_in_save(rank: Any) -> None:
+    """SIGKILL this process inside the DCP save of the step ``KILL_IN_SAVE_ENV`` names, after its shards are written."""
+    from torch.distributed.checkpoint import FileSystemWriter  # what dcp.save writes a folder with
+
+    target_rank, target_step = map(int, os.environ[KILL_IN_SAVE_ENV].split(":"))
+    write_data = FileSystemWriter.write_data
+
+    def killing_write_data(self: Any, plan: Any, planner: Any) -> Any:
+        result = write_data(self, plan, planner)
+        # Read at save time: a hot spare installs the probe before it has a rank.
+        started_active = os.environ.get("TORCHPASS_STARTED_AS", "active") == "active"
+        if started_active and rank() == target_rank and Path(str(self.path)).name == f"step-{target_step}":
+            print(f"[probe] SIGKILL rank {target_rank} inside the checkpoint save of step {target_step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return result
+
+    FileSystemWriter.write_data = killing_write_data  # type: ignore[method-assign]
+
+
 def install(trainer_class: type) -> None:
     """Wrap ``train_step``, ``forward_backward_step`` and ``train`` of TorchTitan's ``Trainer``."""
+    import sys
+
     workdir = Path.cwd()
-    for name in ("progress", "losses", "out"):
+    for name in ("progress", "losses", "grad_norms", "out"):
         (workdir / name).mkdir(exist_ok=True)
+
     train_step, forward_backward_step, train = (
         trainer_class.train_step,
         trainer_class.forward_backward_step,
@@ -63,7 +119,12 @@ def install(trainer_class: type) -> None:
     def rank() -> int:
         return int(os.environ["RANK"])
 
+    _probe_grad_norm(sys.modules[trainer_class.__module__].dist_utils, workdir, rank)
+    if os.environ.get(KILL_IN_SAVE_ENV):
+        _kill_in_save(rank)
+
     def probed_train_step(self: Any, data_iterator: Any) -> Any:
+        _EXECUTING["trainer"] = self
         (workdir / "progress" / f"rank{rank()}").write_text(str(self.step))
         return train_step(self, data_iterator)
 
@@ -77,8 +138,7 @@ def install(trainer_class: type) -> None:
             "t": time.time(),
             "cpu": time.process_time(),
         }
-        with open(workdir / "losses" / f"rank{rank()}.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        _append(workdir / "losses" / f"rank{rank()}.jsonl", record)
         return loss
 
     def probed_train(self: Any) -> Any:
