@@ -267,6 +267,10 @@ class Controller:
             self._set_role(wid, "finished")
             self._write_workers_json()
             if len(self.finished) == self.spec.world_size:
+                if self.migration is not None and self.migration.phase == "resuming":
+                    # The migration's generation trained to the end (it may have had no step
+                    # left to execute, e.g. after a fault in the last checkpoint save): it succeeded.
+                    self._close_resumed(self.migration)
                 self._finish(0, "training completed")
             return
         self.lost_wids.add(wid)
@@ -580,15 +584,20 @@ class Controller:
             self._failure(set(), "comm", end, time.time())
             return
         keys = [Keys.done(m.generation, r) for r in sorted(m.members)]
+        if not present(self.store, m.generation, "done", keys) and time.time() < m.deadline:
+            return
+        self._close_resumed(m)
+        self._last_progress = (0, time.time())
+
+    def _close_resumed(self, m: _Migration) -> None:
+        """Record a resumed migration as a success, with the done reports of the members that sent one."""
+        keys = [Keys.done(m.generation, r) for r in sorted(m.members)]
         if present(self.store, m.generation, "done", keys):
             done = dict(zip(sorted(m.members), gather(self.store, keys, dict)))
-        elif time.time() < m.deadline:
-            return
         else:
             done = {r: d for r, k in zip(sorted(m.members), keys) if (d := try_get(self.store, k, dict)) is not None}
         self._ledger_migration(m, "success", m.classification, m.message, done)
         self.migration = None
-        self._last_progress = (0, time.time())
 
     def _ledger_migration(
         self, m: _Migration, outcome: str, classification: str, message: str, done: dict[int, dict[str, Any]] | None = None

@@ -741,6 +741,9 @@ class Runtime:
 
     # ---- shutdown --------------------------------------------------------
     def finish(self) -> None:
+        if self._pending_done is not None:
+            # A migration whose generation had no step left to execute: it is done all the same.
+            self._report_done()
         self.phase = "done"
         if self._buddy is not None:
             self._buddy.finishing = True

@@ -18,7 +18,9 @@ differ per batch rank), so this subclass
 * answers the loader's ``state_dict()`` with that same state, the position of
   the next batch the job trains on, so TorchTitan's own checkpoint records
   what a fault-free run would, even where this class has read ahead of it (a
-  spare's fresh iterator holds its first batch as soon as it opens).
+  spare's fresh iterator holds its first batch as soon as it opens); and takes
+  the state TorchTitan's checkpointer loads into the loader (a job resumed
+  from its checkpoint) as where its stream starts.
 
 A loader that runs out raises TorchTitan's ``DataloaderExhaustedError``
 instead of starting a new epoch, so TorchTitan's ``train()`` ends training
@@ -55,8 +57,10 @@ class TitanData(ReplayableData):
     def __init__(self, loader: Any, *, stream: str, keep_steps: int):
         self.loader = loader
         self._loader_state = loader.state_dict
-        # What TorchTitan's checkpointer saves (it calls the loader's state_dict()).
+        self._load_loader_state = loader.load_state_dict
+        # What TorchTitan's checkpointer saves and loads (it calls the loader's own methods).
         loader.state_dict = self.loader_state
+        loader.load_state_dict = self.load_loader_state
         self.stream = stream
         self._start_state: Any = None
         """The loader state a fresh iterator starts from: None for the beginning, else what a spare loaded."""
@@ -97,6 +101,11 @@ class TitanData(ReplayableData):
         """The loader's ``state_dict()`` as TorchTitan sees it: the state the next batch the job trains on is drawn from."""
         return self._next_state()
 
+    def load_loader_state(self, state: Any) -> None:
+        """The loader's ``load_state_dict()`` (TorchTitan resuming from its checkpoint): the stream starts there."""
+        self._load_loader_state(state)
+        self._start_state = state
+
     # ---- the runtime's side ----------------------------------------------
     def mark_step(self, step: int) -> None:
         super().mark_step(step)
@@ -118,7 +127,7 @@ class TitanData(ReplayableData):
             )
         state = target["loader"]
         if state is not None:
-            self.loader.load_state_dict(state)
+            self._load_loader_state(state)
         self._start_state = state
         self._iterating = False
         self._drawn_from.clear()

@@ -2,8 +2,8 @@
 
 :class:`TorchPassTrainer` is run by TorchTitan's own ``main`` (see
 :mod:`torchpass.adapters.torchtitan.train`) and keeps TorchTitan's ``train()``
-loop (checkpoint saving, validation, profiling, the step-1 timeout
-adjustment) unchanged. It joins the core's migration protocol at two methods:
+loop (checkpoint cadence, validation, profiling, the step-1 timeout
+adjustment) unchanged. It joins the core's migration protocol at three points:
 
 * ``batch_generator``: TorchTitan's own generator (token counting, data
   timing) over :class:`~torchpass.adapters.torchtitan.data.TitanData`, so a
@@ -16,29 +16,36 @@ adjustment) unchanged. It joins the core's migration protocol at two methods:
   through ``train_step`` with the same batches; after a rollback to a buddy
   copy the steps before it are executed again first. The first call attaches
   the rank to the runtime: a spare fetches its state there and executes the
-  step the job stands at, and ``train()`` continues from it.
+  step the job stands at, and ``train()`` continues from it;
+* ``checkpointer.save`` / ``load``: TorchTitan's checkpoint save is guarded
+  the same way, and a save a fault interrupted is executed again by every
+  rank, the spare included; a spare never loads (see
+  :mod:`~torchpass.adapters.torchtitan.checkpointing`).
 
 Protocol steps per executed step: ``step_begin`` (RNG snapshot, data mark,
 small-state mirror), the provider remembers the token counters, TorchTitan's
 ``train_step`` (the backward start is reported by a hook on the model's
 output; the optimizers container's ``step()`` is the commit), ``step_end``
-(buddy copy of sharded state).
+(buddy copy of sharded state); then the save, if due.
 
 What this requires, and what it does not cover:
 
 * ``[debug] seed`` is not required: a spare's own seeding is overwritten by
   the RNG state it receives.
-* Pipeline parallelism is refused: an interrupted pipeline schedule leaves
-  per-stage buffers that are not reset yet.
-* Code ``train()`` runs between steps (checkpoint saving, validation, the
+* Refused at start-up, naming the setting: pipeline parallelism (an
+  interrupted pipeline schedule leaves per-stage buffers that are not reset
+  yet), ``[compile] enable`` (not verified), an asynchronous checkpointer (a
+  save that spans steps cannot be re-executed consistently) and TorchTitan's
+  own ``[fault_tolerance]`` (two recovery mechanisms for one failure).
+* Code ``train()`` runs between steps besides the save (validation, the
   step-1 ``set_pg_timeouts`` barrier) is outside the guarded step: a fault
   that surfaces there stops the job instead of migrating it. The timeouts that
   barrier sets apply to the first generation's communicators only; rebuilt
   ones use the timeout the groups were created with.
 
-Without ``torchpass launch``, or when the job's config has no ``[torchpass]``
-section or sets ``enabled = false``, this is TorchTitan's ``Trainer`` with no
-hook of any kind (the section is still validated).
+Without ``torchpass launch``, or with ``[torchpass] enable = false``, this is
+TorchTitan's ``Trainer`` with no hook of any kind (the section is still
+validated).
 """
 
 from __future__ import annotations
@@ -113,6 +120,13 @@ def _refuse_unsupported(job_config: JobConfig) -> None:
             "healing it later from a peer; torchpass replaces the failed rank with a spare at the same step and world "
             "size. Both would react to the same failure with different process groups and different data. Set "
             f"[fault_tolerance] enable = false to migrate, {off}"
+        )
+    compile_config = getattr(job_config, "compile", None)
+    if compile_config is not None and compile_config.enable:
+        raise ConfigError(
+            "torchpass: [compile] enable = true: the TorchTitan adapter does not migrate compiled models yet (a "
+            "spare would compile on its first step, and compiled graphs that capture DDP buckets or process groups "
+            f"are not verified to stay bitwise identical across a migration); set [compile] enable = false, {off}"
         )
     ckpt = job_config.checkpoint
     if ckpt.enable and ckpt.async_mode != "disabled":

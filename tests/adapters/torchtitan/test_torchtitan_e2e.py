@@ -11,12 +11,15 @@ but its outputs (no checkpoint); the ledger accounts for the migration.
 The fault-free reference of each layout runs once per module, each in a way
 that also checks one more behaviour of the entry point:
 
-* ``ddp``: under ``torchpass launch`` with ``--torchpass.enabled False``:
-  TorchTitan's trainer with no torchpass hook at all;
+* ``ddp``: under ``torchpass launch`` with ``--torchpass.no-enable``:
+  TorchTitan's trainer with no torchpass hook at all (checked: the probe
+  reports the trainer's hooks and overrides, compared with a torchrun run's);
 * ``hsdp``: under plain ``torchrun``: the entry point as TorchTitan's own train;
 * ``fsdp``, ``tp_fsdp``: under ``torchpass launch``, migration enabled.
 
 So the migrated runs are compared with TorchTitan's unmodified numerics too.
+HSDP and FSDP with TorchTitan's shipped settings (bf16, activation
+checkpointing, checkpointing on) are in ``test_torchtitan_shipped_e2e.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import pytest
 
 from tests.support.harness import JobRun, assert_bitwise, fault_rng
 from tests.support.torchtitan.assets import Assets, make_assets
-from tests.support.torchtitan.jobs import LAYOUTS, STEPS, launch_titan, torchrun_titan
+from tests.support.torchtitan.jobs import STEPS, launch_titan, torchrun_titan
 
 pytestmark = pytest.mark.e2e
 
@@ -49,13 +52,20 @@ def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _reference_run(workdir: Path, layout: str, assets: Assets, hf_cache: Path) -> JobRun:
     if layout == "hsdp":
         return torchrun_titan(workdir, layout, assets, hf_cache)
-    extra = ["--torchpass.enabled", "False"] if layout == "ddp" else []
+    extra = ["--torchpass.no-enable"] if layout == "ddp" else []
     run = launch_titan(workdir, layout, assets, hf_cache, extra=extra)
     assert run.wait(600) == 0, run.output()[-4000:]
     assert not run.migrations()
     if layout == "ddp":
         assert "running without live migration" in run.output()
     return run
+
+
+def test_enable_false_installs_no_hook(references: References) -> None:
+    off, torchrun = references["ddp"], references["hsdp"]
+    for rank in range(4):
+        assert off[rank]["hooks"] == torchrun[rank]["hooks"], (off[rank]["hooks"], torchrun[rank]["hooks"])
+        assert off[rank]["hooks"] == {"migration": False, "optimizer_step_hooks": off[rank]["hooks"]["optimizer_step_hooks"], "overrides": []}
 
 
 class References:
@@ -108,7 +118,7 @@ def _check_migrated(run: JobRun, reference: dict, pids_before: dict[int, int], r
     return last
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", ["ddp", "tp_fsdp"])
 def test_sigkill_random_rank_at_random_step(tmp_path: Path, layout: str, references: References, assets: Assets, hf_cache: Path) -> None:
     expected = references[layout]
     rng = fault_rng(f"torchtitan-{layout}-sigkill")

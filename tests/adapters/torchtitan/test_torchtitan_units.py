@@ -35,8 +35,24 @@ def _dotted_fields(cls: type, prefix: str = "") -> set[str]:
 
 
 def test_section_mirrors_every_core_setting_and_sets_none_by_default() -> None:
-    assert _dotted_fields(TorchPass) == _dotted_fields(TorchPassConfig)
+    # `enable` (TorchTitan's spelling of a section's switch) stands for the core's `enabled`.
+    assert _dotted_fields(TorchPass) == _dotted_fields(TorchPassConfig) - {"enabled"} | {"enable"}
     assert section_settings(TorchPass()) == {}
+    assert TorchPass().enable is True
+
+
+@pytest.mark.parametrize(("section", "launcher", "enabled"), [(True, True, True), (False, True, False), (True, False, False)])
+def test_migration_is_off_when_the_section_or_the_launcher_says_so(section: bool, launcher: bool, enabled: bool) -> None:
+    launched = config_from_mapping({"enabled": launcher})
+    assert resolve_config(TorchPass(enable=section), launched, "[torchpass] of job.toml").enabled is enabled
+
+
+@pytest.mark.parametrize(("flags", "enable"), [([], True), (["--torchpass.enable"], True), (["--torchpass.no-enable"], False)])
+def test_enable_is_a_flag_on_torchtitan_s_command_line(tmp_path: Path, flags: list[str], enable: bool) -> None:
+    from torchtitan.config import ConfigManager
+
+    toml = _write_toml(tmp_path / "job.toml", "[torchpass]\nenable = true\n")
+    assert ConfigManager().parse_args(["--job.config_file", str(toml), *flags]).torchpass.enable is enable
 
 
 def test_keys_the_section_leaves_out_keep_what_torchpass_launch_was_given() -> None:
@@ -97,6 +113,24 @@ def test_the_entry_point_declares_the_section_unless_the_job_names_its_own_modul
     assert with_torchpass_section(flagged) == flagged
 
 
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ("enabled = true", "unknown key enabled (did you mean 'enable'?); valid keys: buddy_interval_steps, chaos, enable,"),
+        ("buddy_interval_step = 2", "unknown key buddy_interval_step (did you mean 'buddy_interval_steps'?)"),
+        ("[torchpass.chaos]\nkill_rnk = 1", "unknown key chaos.kill_rnk (did you mean 'kill_rank'?); valid keys: action, kill_point, kill_rank, kill_step"),
+    ],
+)
+def test_the_entry_point_names_an_unknown_key_before_torchtitan_parses(tmp_path: Path, table: str, message: str) -> None:
+    from torchpass.adapters.torchtitan.train import with_torchpass_section
+
+    toml = tmp_path / "job.toml"
+    toml.write_text("[torchpass]\n" + table + "\n")
+    with pytest.raises(ConfigError) as err:
+        with_torchpass_section(["--job.config_file", str(toml)])
+    assert f"[torchpass] section of {toml}: {message}" in str(err.value)
+
+
 def test_torchtitan_rejects_an_unknown_key_in_the_section(tmp_path: Path) -> None:
     from torchtitan.config import ConfigManager
 
@@ -108,8 +142,15 @@ def test_torchtitan_rejects_an_unknown_key_in_the_section(tmp_path: Path) -> Non
 # ---- when the trainer migrates -------------------------------------------------------------------
 
 
-def _job_config(section: Any, pp: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(torchpass=section, job=SimpleNamespace(config_file="job.toml"), parallelism=SimpleNamespace(pipeline_parallel_degree=pp))
+def _job_config(section: Any, pp: int = 1, ft: bool = False, checkpoint: str | None = None, compile: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(
+        torchpass=section,
+        compile=SimpleNamespace(enable=compile),
+        job=SimpleNamespace(config_file="job.toml"),
+        parallelism=SimpleNamespace(pipeline_parallel_degree=pp),
+        fault_tolerance=SimpleNamespace(enable=ft),
+        checkpoint=SimpleNamespace(enable=checkpoint is not None, async_mode=checkpoint or "disabled"),
+    )
 
 
 @pytest.fixture
@@ -138,20 +179,45 @@ def test_under_torchpass_launch_the_section_becomes_the_runtime_config(launched:
     assert (config.buddy_interval_steps, config.redundancy) == (2, "replica")
 
 
-def test_no_section_or_enabled_false_runs_without_migration(launched: SimpleNamespace) -> None:
+def test_no_section_or_enable_false_runs_without_migration(launched: SimpleNamespace) -> None:
     from torchpass.adapters.torchtitan.trainer import migration_config
 
     before = launched.config
     assert migration_config(SimpleNamespace(job=SimpleNamespace(config_file="job.toml"))) is None
-    assert migration_config(_job_config(TorchPass(enabled=False))) is None
+    assert migration_config(_job_config(TorchPass(enable=False))) is None
     assert launched.config is before
 
 
 def test_pipeline_parallelism_is_refused_naming_the_setting(launched: SimpleNamespace) -> None:
     from torchpass.adapters.torchtitan.trainer import migration_config
 
-    with pytest.raises(ValueError, match="pipeline_parallel_degree = 2"):
+    with pytest.raises(ConfigError, match="pipeline_parallel_degree = 2"):
         migration_config(_job_config(TorchPass(), pp=2))
+
+
+def test_torchtitan_fault_tolerance_and_torchpass_together_are_refused(launched: SimpleNamespace) -> None:
+    from torchpass.adapters.torchtitan.trainer import migration_config
+
+    with pytest.raises(ConfigError, match=r"\[fault_tolerance\] enable = true and \[torchpass\] enable = true: only one of them can drive recovery"):
+        migration_config(_job_config(TorchPass(), ft=True))
+    # Either one alone is fine.
+    assert migration_config(_job_config(TorchPass(enable=False), ft=True)) is None
+    assert migration_config(_job_config(TorchPass(), checkpoint="disabled")) is launched.config
+
+
+def test_a_compiled_model_is_refused_naming_the_setting(launched: SimpleNamespace) -> None:
+    from torchpass.adapters.torchtitan.trainer import migration_config
+
+    with pytest.raises(ConfigError, match=r"\[compile\] enable = true: the TorchTitan adapter does not migrate compiled models yet"):
+        migration_config(_job_config(TorchPass(), compile=True))
+
+
+@pytest.mark.parametrize("mode", ["async", "async_with_pinned_mem"])
+def test_an_asynchronous_checkpointer_is_refused_naming_the_setting(launched: SimpleNamespace, mode: str) -> None:
+    from torchpass.adapters.torchtitan.trainer import migration_config
+
+    with pytest.raises(ConfigError, match=f"checkpoint.async_mode = '{mode}'"):
+        migration_config(_job_config(TorchPass(), checkpoint=mode))
 
 
 # ---- layout -------------------------------------------------------------------------------------
@@ -261,6 +327,43 @@ def test_a_spare_continues_the_stream_from_a_snapshot(replaying: bool) -> None:
     assert [_ints(spare.next_batch()) for _ in range(3)] == expected
 
 
+def test_a_spare_s_loader_reports_the_position_it_trains_from_not_how_far_it_read() -> None:
+    """TorchTitan's checkpoint saves the loader's state_dict(): after a spare's fast-forward it must be the
+    source's, although opening the spare's iterator already drew the next batch."""
+    data = _data()
+    for step in (1, 2):
+        data.mark_step(step)
+        data.next_batch()
+    snapshot = data.snapshot()
+    spare = _data()
+    spare.fast_forward(snapshot)
+    assert spare.loader.state_dict() == data.loader.state_dict() == snapshot["loader"]
+    assert spare.snapshot()["loader"] == snapshot["loader"]
+    spare.mark_step(3)
+    data.mark_step(3)
+    assert _ints(spare.next_batch()) == _ints(data.next_batch())
+    assert spare.loader.state_dict() == data.loader.state_dict()
+
+
+def test_a_job_resumed_from_torchtitan_s_checkpoint_streams_from_the_loaded_state() -> None:
+    source = _data()
+    for step in (1, 2):
+        source.mark_step(step)
+        source.next_batch()
+    saved = source.loader.state_dict()  # what TorchTitan's checkpointer saved
+    resumed = _data()
+    resumed.loader.load_state_dict(saved)  # what its load does on restart
+    resumed.mark_step(3)
+    first = _ints(resumed.next_batch())
+    assert first == [4, 5]
+    start = resumed.step_start(3)
+    assert start is not None
+    resumed.seek(start)
+    spare = _data()
+    spare.fast_forward(resumed.snapshot())  # a spare replacing a rank in the first step after the restart
+    assert _ints(spare.next_batch()) == first
+
+
 def test_a_snapshot_before_the_first_batch_starts_the_stream_from_the_beginning() -> None:
     spare = _data()
     spare.fast_forward(_data().snapshot())
@@ -329,3 +432,69 @@ def test_fsdp2_reset_lets_an_interrupted_step_run_again_bitwise(monkeypatch: pyt
         assert all(torch.equal(a, b) for a, b in zip(again, expected))
     finally:
         dist.destroy_process_group()
+
+
+# ---- TorchTitan's checkpointer under migration -----------------------------------------------------
+
+
+class _Checkpointer:
+    """The part of TorchTitan's CheckpointManager the adapter uses: ``save``, ``load``, ``_should_save``, ``enable``."""
+
+    def __init__(self, interval: int):
+        self.enable = True
+        self.interval = interval
+        self.saved: list[tuple[int, bool]] = []
+        self.loaded = False
+
+    def _should_save(self, step: int, last_step: bool = False) -> bool:
+        return last_step or step % self.interval == 0
+
+    def save(self, step: int, last_step: bool = False) -> None:
+        self.saved.append((step, last_step))
+
+    def load(self, step: int = -1) -> bool:
+        self.loaded = True
+        return True
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_due_save_is_written_once_and_a_spare_never_loads() -> None:
+    from torchpass.adapters.torchtitan.checkpointing import Checkpoints
+
+    active, spare = _Checkpointer(interval=5), _Checkpointer(interval=5)
+    saves = Checkpoints(active, last_step=10, device=torch.device("cpu"), joining=False)
+    Checkpoints(spare, last_step=10, device=torch.device("cpu"), joining=True)
+    for step in (1, 5, 5, 7, 10, 10):
+        saves.write(step)
+    assert active.saved == [(5, False), (10, True)]
+    assert spare.load() is False and not spare.loaded
+    assert active.load() is True
+
+
+def test_after_a_migration_an_interrupted_save_is_owed_and_a_completed_one_is_not(world_of_one: None) -> None:
+    from torchpass.adapters.torchtitan.checkpointing import Checkpoints
+
+    ckpt = _Checkpointer(interval=5)
+    saves = Checkpoints(ckpt, last_step=10, device=torch.device("cpu"), joining=False)
+    saves.agree(5, joining=False)  # the fault came before (or inside) the save of step 5
+    assert saves.pending == 5
+    saves.write(5)
+    assert ckpt.saved == [(5, False)] and saves.pending is None
+    saves.agree(5, joining=False)  # a second migration back to step 5: already written
+    assert saves.pending is None
+    saves.write(5)
+    assert ckpt.saved == [(5, False)]
+    saves.agree(6, joining=False)  # step 6 saves nothing
+    assert saves.pending is None
+    # A joining rank has no say; here it is the only member, so nothing is owed.
+    fresh = Checkpoints(_Checkpointer(interval=5), last_step=10, device=torch.device("cpu"), joining=True)
+    fresh.agree(10, joining=True)
+    assert fresh.pending is None

@@ -105,10 +105,22 @@ def job_args(layout: str, assets: Assets, extra: list[str] | None = None, config
 
 
 def launch_titan(
-    workdir: Path, layout: str, assets: Assets, hf_cache: Path, *, extra: list[str] | None = None, config_file: Path = JOB_TOML
+    workdir: Path,
+    layout: str,
+    assets: Assets,
+    hf_cache: Path,
+    *,
+    extra: list[str] | None = None,
+    config_file: Path = JOB_TOML,
+    args: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> JobRun:
-    """``torchpass launch`` 4 ranks and a spare running the adapter's entry point."""
-    return launch(workdir, ENTRY_POINT, job_args(layout, assets, extra, config_file), module=True, env=job_env(hf_cache))
+    """``torchpass launch`` 4 ranks and a spare running the adapter's entry point.
+
+    The command line is ``args`` when given (e.g. :func:`shipped_args`), else the test job's for ``layout``.
+    """
+    args = args if args is not None else job_args(layout, assets, extra, config_file)
+    return launch(workdir, ENTRY_POINT, args, module=True, env={**job_env(hf_cache), **(env or {})})
 
 
 def torchrun_titan(
@@ -119,15 +131,17 @@ def torchrun_titan(
     *,
     extra: list[str] | None = None,
     config_file: Path = JOB_TOML,
+    args: list[str] | None = None,
     timeout: float = 600.0,
 ) -> JobRun:
     """Run the adapter's entry point to completion under plain ``torchrun`` (4 ranks, no torchpass)."""
+    args = args if args is not None else job_args(layout, assets, extra, config_file)
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / "torchrun.log"
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "4",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-        "-m", ENTRY_POINT, *job_args(layout, assets, extra, config_file),
+        "-m", ENTRY_POINT, *args,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **job_env(hf_cache)}
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env["PYTHONPATH"]])

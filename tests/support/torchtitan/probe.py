@@ -14,7 +14,10 @@ under the job's working directory:
 * ``grad_norms/rank<r>.jsonl``: the rank's gradient norm of each step, as
   TorchTitan's ``clip_grad_norm_`` returns it (the value TorchTitan logs);
 * ``out/rank<r>.json`` once training ends: a SHA-256 over the rank's model
-  shards, optimizer state and LR scheduler state, and its PID.
+  shards, optimizer state and LR scheduler state, its PID, and what torchpass
+  hooked into the trainer (``hooks``: whether it migrates, the optimizer step
+  hooks, the instance overrides of the checkpointer and the dataloader), so a
+  test can check that a run without migration has none of it.
 
 With ``TORCHPASS_TEST_TORCHTITAN_KILL_IN_SAVE=<rank>:<step>`` the process of
 that rank SIGKILLs itself inside TorchTitan's checkpoint save of that step,
@@ -102,6 +105,20 @@ def _kill_in_save(rank: Any) -> None:
     FileSystemWriter.write_data = killing_write_data  # type: ignore[method-assign]
 
 
+def _hooks(trainer: Any) -> dict[str, Any]:
+    opt = trainer.optimizers
+    return {
+        "migration": getattr(trainer, "_migration", None) is not None,
+        "optimizer_step_hooks": len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks),
+        "overrides": sorted(
+            f"{name}.{attr}"
+            for name, obj in (("checkpointer", trainer.checkpointer), ("dataloader", trainer.dataloader))
+            for attr in ("save", "load", "state_dict")
+            if attr in vars(obj)
+        ),
+    }
+
+
 def install(trainer_class: type) -> None:
     """Wrap ``train_step``, ``forward_backward_step`` and ``train`` of TorchTitan's ``Trainer``."""
     import sys
@@ -143,7 +160,7 @@ def install(trainer_class: type) -> None:
 
     def probed_train(self: Any) -> Any:
         result = train(self)
-        out = {"digest": state_digest(final_state(self)), "pid": os.getpid(), "steps": self.step}
+        out = {"digest": state_digest(final_state(self)), "pid": os.getpid(), "steps": self.step, "hooks": _hooks(self)}
         (workdir / "out" / f"rank{rank()}.json").write_text(json.dumps(out))
         return result
 
