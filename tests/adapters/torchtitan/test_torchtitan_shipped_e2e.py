@@ -136,39 +136,32 @@ def _check_migrated(run: JobRun, reference: Outcome, pids_before: dict[int, int]
     return last
 
 
+def _sigkill_at_random(tmp_path: Path, job: Job, references: References, assets: Assets, hf_cache: Path, seed_name: str) -> None:
+    """SIGKILL a random rank once it reaches a random step; the run must migrate and match the reference."""
+    expected = references[job]
+    rng = fault_rng(seed_name)
+    rank, step = rng.randrange(4), rng.randint(2, STEPS - 1)
+    run = _launch(tmp_path, job, assets, hf_cache)
+    try:
+        run.wait_step(rank, step, timeout=300)
+        pids = run.active_pids()
+        run.inject("kill", rank=rank)
+        _check_migrated(run, expected, pids, rank, job.layout)
+    finally:
+        run.kill()
+
+
 @pytest.mark.parametrize("run_index", range(CAMPAIGN_RUNS))
 @pytest.mark.parametrize("layout", ["hsdp", "fsdp"])
 def test_debug_model_sigkill_campaign(
     tmp_path: Path, layout: str, run_index: int, references: References, assets: Assets, hf_cache: Path
 ) -> None:
-    job = Job("debug_model", layout)
-    expected = references[job]
-    rng = fault_rng(f"torchtitan-shipped-{layout}-{run_index}")
-    rank, step = rng.randrange(4), rng.randint(2, STEPS - 1)
-    run = _launch(tmp_path, job, assets, hf_cache)
-    try:
-        run.wait_step(rank, step, timeout=300)
-        pids = run.active_pids()
-        run.inject("kill", rank=rank)
-        _check_migrated(run, expected, pids, rank, layout)
-    finally:
-        run.kill()
+    _sigkill_at_random(tmp_path, Job("debug_model", layout), references, assets, hf_cache, f"torchtitan-shipped-{layout}-{run_index}")
 
 
 def test_llama3_8b_config_scaled_down_sigkill(tmp_path: Path, references: References, assets: Assets, hf_cache: Path) -> None:
     # The 8B config shards over every rank (data_parallel_shard_degree = -1): FSDP over 4.
-    job = Job("llama3_8b", "fsdp")
-    expected = references[job]
-    rng = fault_rng("torchtitan-shipped-8b")
-    rank, step = rng.randrange(4), rng.randint(2, STEPS - 1)
-    run = _launch(tmp_path, job, assets, hf_cache)
-    try:
-        run.wait_step(rank, step, timeout=300)
-        pids = run.active_pids()
-        run.inject("kill", rank=rank)
-        _check_migrated(run, expected, pids, rank, "fsdp")
-    finally:
-        run.kill()
+    _sigkill_at_random(tmp_path, Job("llama3_8b", "fsdp"), references, assets, hf_cache, "torchtitan-shipped-8b")
 
 
 @pytest.mark.parametrize(
@@ -203,7 +196,7 @@ def _bad_job(tmp_path: Path, assets: Assets, hf_cache: Path, toml_tail: str, ext
     """Launch the debug config with ``toml_tail`` replacing its section; return the output of the failed job."""
     toml = tmp_path / "job.toml"
     shipped = SHIPPED["debug_model"].read_text()
-    toml.write_text(shipped[: shipped.index("[torchpass]")] + toml_tail)
+    toml.write_text(shipped[: shipped.rindex("[torchpass]")] + toml_tail)
     args = shipped_args("debug_model", "hsdp", assets, list(extra))
     args[args.index("--job.config_file") + 1] = str(toml)
     run = launch_titan(tmp_path / "job", "hsdp", assets, hf_cache, args=args)
