@@ -141,6 +141,12 @@ class TorchPassConfig:
     """How long survivors wait for an assigned spare to run the training script up to its
     first step (model and optimizer construction) before picking another spare."""
 
+    spare_start_timeout_s: float = field(default=180.0, metadata={"check": (_positive, "a number > 0")})
+    """How long a migration that finds no ready spare waits for spares that are still starting
+    (spawned, importing the framework, not yet reported ready) before it stops the job as
+    "no spare left". Spares start with the job, and on a cold machine importing DeepSpeed or
+    TorchTitan takes tens of seconds: a fault in that window should wait for them, not end the job."""
+
     redundancy: str = field(default="auto", metadata={"choices": REDUNDANCY_MODES})
     """Where a lost rank's state comes from. ``replica``: only from data-parallel replicas
     (sharded state without a replica makes the event disqualifying). ``buddy``: keep an

@@ -99,6 +99,8 @@ class _Migration:
     """Rank -> worker of the generation being planned (the old members plus the plan's joins)."""
     last_scan: float = 0.0
     """When the controller last looked for silent members while collecting statuses."""
+    awaiting_spares: float = 0.0
+    """When planning first found no ready spare while some were still starting (0: it has not)."""
 
 
 class Controller:
@@ -486,6 +488,8 @@ class Controller:
             cause=m.cause,
         )
         result = plan_migration(inp)
+        if isinstance(result, Disqualified) and result.reason == "no_spare" and self._await_starting_spares(m, result.message):
+            return
         if isinstance(result, Disqualified) and result.reason == "no_spare" and m.cause == "planned" and not m.failed:
             # Nobody failed: without a spare the drain cannot be honoured, but training can go on.
             self.say(f"cannot honour the drain ({result.message}); training continues on the same processes")
@@ -513,6 +517,31 @@ class Controller:
         moves = ", ".join(f"rank {r} -> {result.joins[r]}" for r in sorted(result.joins, key=int)) or "no process replaced"
         fetching = sorted(int(r) for r in result.ranks if result.rank_plan(int(r)).fetch)
         self.say(f"plan for generation {m.generation}: resume at step {result.target_version + 1}; {moves}; ranks {fetching} fetch state")
+
+    def _await_starting_spares(self, m: _Migration, why: str) -> bool:
+        """Whether to plan again later because spares that are still starting may be ready soon.
+
+        A spare is coming once it is spawned: it imports the framework before it reports
+        ready (tens of seconds on a cold machine), and a fault in that window should wait
+        for it, bounded by ``spare_start_timeout_s`` from the first time planning found none.
+        """
+        starting = sorted(
+            w for w, rec in self.records.items()
+            if rec.role == "spare" and w not in self.spares and w not in self.lost_wids and w not in self.sticky.values()
+        )  # fmt: skip
+        if not starting:
+            return False
+        now = time.time()
+        if not m.awaiting_spares:
+            m.awaiting_spares = now
+            self.say(
+                f"{why}; waiting up to {self.config.spare_start_timeout_s:g} s for {len(starting)} spare(s) still "
+                f"starting ({', '.join(starting)})"
+            )
+        if now - m.awaiting_spares < self.config.spare_start_timeout_s:
+            return True
+        self.say(f"spare(s) {', '.join(starting)} did not start within {self.config.spare_start_timeout_s:g} s")
+        return False
 
     # ---- joining -------------------------------------------------------------------
     def _joining(self, m: _Migration) -> None:

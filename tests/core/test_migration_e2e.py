@@ -136,6 +136,18 @@ def test_assigned_spare_dies_while_joining(tmp_path: Path, reference: dict) -> N
     _check_success(run, reference, pids, {rank}, "kill")
 
 
+def test_a_fault_while_the_only_spare_is_still_starting_waits_for_it(tmp_path: Path, reference: dict) -> None:
+    """A spare that is spawned but still importing is coming: the migration waits for it, says so, and succeeds."""
+    slow_spare = JOBS / "slow_spare"
+    rank = fault_rng("spare-still-starting").randrange(4)
+    run = launch(tmp_path, JOB, ARGS, env={"PYTHONPATH": str(slow_spare), "TORCHPASS_TEST_SPARE_START_DELAY_S": "15"})
+    run.wait_step(rank, 2)
+    pids = run.active_pids()
+    run.inject("kill", rank=rank)
+    _check_success(run, reference, pids, {rank}, "kill")
+    assert "spare(s) still starting" in run.output(), run.output()[-3000:]
+
+
 def test_no_spare_left_is_a_clean_disqualified_exit(tmp_path: Path) -> None:
     run = launch(tmp_path, JOB, ARGS, spares=0)
     run.wait_step(1, 5)

@@ -159,6 +159,12 @@ def test_debug_model_sigkill_campaign(
     _sigkill_at_random(tmp_path, Job("debug_model", layout), references, assets, hf_cache, f"torchtitan-shipped-{layout}-{run_index}")
 
 
+def test_full_activation_checkpointing_sigkill(tmp_path: Path, references: References, assets: Assets, hf_cache: Path) -> None:
+    # The shipped configs use selective AC (per layer in the debug config, per op in the 8B one); the third mode.
+    job = Job("debug_model", "hsdp", ("--activation_checkpoint.mode", "full"))
+    _sigkill_at_random(tmp_path, job, references, assets, hf_cache, "torchtitan-shipped-full-ac")
+
+
 def test_llama3_8b_config_scaled_down_sigkill(tmp_path: Path, references: References, assets: Assets, hf_cache: Path) -> None:
     # The 8B config shards over every rank (data_parallel_shard_degree = -1): FSDP over 4.
     _sigkill_at_random(tmp_path, Job("llama3_8b", "fsdp"), references, assets, hf_cache, "torchtitan-shipped-8b")
