@@ -39,10 +39,9 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from .config import TorchPassConfig, config_from_mapping
 from .control import Heartbeat, Keys, Mailbox, Report, put_pickle, try_get
+from .failures import is_comm_error
 
 __all__ = ["Agent", "NodeSpec"]
-
-_COMM_MARKERS = ("gloo", "Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL")
 
 
 @dataclass
@@ -222,7 +221,7 @@ class Agent:
         detail = {"exitcode": code, "how": how, "pid": w.handler.proc.pid}
         if error:
             detail["error"] = error.strip().splitlines()[-1][:500]
-            detail["comm_error"] = any(m in error for m in _COMM_MARKERS)
+            detail["comm_error"] = is_comm_error(error)
         kind = "hung" if w.last_heartbeat else "exit"
         # A hang started when the heartbeats stopped, not when the fence noticed it.
         self.events.post(Report(kind, w.wid, self.spec.node, w.rank, t=w.last_heartbeat or time.time(), detail=detail))

@@ -73,6 +73,7 @@ from .control import (
     read_mirror,
 )
 from .data import ReplayableData
+from .failures import is_comm_error
 from .manifest import Captured, capture, rebuild
 from .rng import capture_rng, restore_rng
 from .topology import Placement, assign_buddies, layout_to_dict
@@ -80,17 +81,6 @@ from .buddy import BuddyKeeper
 from .transfer import ReceivePool, StateServer, TransferError, fetch_state
 
 __all__ = ["Runtime", "current", "CommFailure"]
-
-_COMM_MARKERS = (
-    "gloo",
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Socket Timeout",
-    "Timed out waiting",
-    "NCCL",
-)
-
 
 class CommFailure(RuntimeError):
     """Raised by the runtime itself when a generation ended while the rank was between collectives."""
@@ -506,7 +496,7 @@ class Runtime:
         """Whether ``exc`` is a collective failing because a peer or the generation went away."""
         if isinstance(exc, (CommFailure, dist.DistError)) or self.ending.is_set():
             return True
-        if isinstance(exc, RuntimeError) and any(m in str(exc) for m in _COMM_MARKERS):
+        if isinstance(exc, RuntimeError) and is_comm_error(str(exc)):
             return True
         return bool(self.store.check([Keys.end(self.generation)]))
 

@@ -1,0 +1,28 @@
+"""What a failed collective's error says: the one list both the worker and its agent classify errors by.
+
+A worker classifies an exception raised inside a step (migrate, or let it
+propagate as a bug in the script); its agent classifies the uncaught exception
+a worker died of (migrate the rank to a spare, or stop the job because a spare
+would repeat it). Both must agree, or a worker dying of a gloo timeout would
+be migrated by one reading and stop the job by the other.
+"""
+
+from __future__ import annotations
+
+__all__ = ["COMM_ERROR_MARKERS", "is_comm_error"]
+
+COMM_ERROR_MARKERS = (
+    "gloo",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "Timed out waiting",
+    "NCCL",
+)
+"""Substrings of the messages c10d, gloo and NCCL raise when a peer or the transport went away."""
+
+
+def is_comm_error(message: str) -> bool:
+    """Whether an error message says a collective failed because a peer or the transport went away."""
+    return any(marker in message for marker in COMM_ERROR_MARKERS)
