@@ -160,12 +160,15 @@ class Agent:
         if raw is not None:
             self.config = config_from_mapping(json.loads(raw), source="the job's torchpass config")
 
+    def _on_bad_order(self, key: str, why: str) -> None:
+        print(f"[torchpass] node {self.spec.node}: ignoring order {key}: {why}", file=sys.stderr, flush=True)
+
     def tick(self) -> None:
         now = time.time()
         if now - self._last_beat >= self.config.heartbeat_interval_s / 2:
             self.store.set(f"{Keys.node_mail(self.spec.node)}/hb", str(now))
             self._last_beat = now
-        for order in self.mail.drain(dict):
+        for order in self.mail.drain(dict, on_bad=self._on_bad_order):
             if order.get("fence") in self.workers:
                 self.fence(order["fence"], order.get("why", "fenced by the controller"))
         scan = now - self._last_heartbeat_scan >= self.config.heartbeat_interval_s / 2

@@ -39,7 +39,7 @@ import pickle
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
 
@@ -133,6 +133,8 @@ def _to_json(record: Any) -> bytes:
 
 def _from_json(cls: type[T], raw: bytes) -> T:
     data = json.loads(raw)
+    if (dataclasses.is_dataclass(cls) or cls is dict) and not isinstance(data, dict):
+        raise TypeError(f"expected a JSON object, got {type(data).__name__}")
     return cls(**data) if dataclasses.is_dataclass(cls) else data
 
 
@@ -303,24 +305,52 @@ class Plan:
 
 
 class Mailbox:
-    """An append-only message queue on the store: ``add`` a sequence number, then ``set`` the entry."""
+    """An append-only message queue on the store: ``add`` a sequence number, then ``set`` the entry.
 
-    def __init__(self, store: dist.Store, key: str):
+    Reading never takes the reader down and never blocks it: an entry that does
+    not decode as the expected record (malformed, or of another shape) is handed
+    to ``on_bad`` and skipped; an entry whose number exists but whose value does
+    not (its poster died between ``add`` and ``set``) is waited for across calls,
+    up to ``missing_after_s``, then handed to ``on_bad`` and skipped.
+    """
+
+    def __init__(self, store: dist.Store, key: str, missing_after_s: float = 10.0):
         self._store = store
         self._key = key
         self._read = 0
+        self._missing_after_s = missing_after_s
+        self._missing_since: float | None = None
 
     def post(self, record: Any) -> int:
         n = self._store.add(f"{self._key}/seq", 1)
         put(self._store, f"{self._key}/{n}", record)
         return n
 
-    def drain(self, cls: type[T]) -> Iterator[T]:
-        """New messages since the last call, in order (entries are written right after their number)."""
+    def drain(self, cls: type[T], on_bad: Callable[[str, str], None]) -> Iterator[T]:
+        """New messages since the last call, in order; ``on_bad(key, why)`` for each one skipped."""
         latest = self._store.add(f"{self._key}/seq", 0)
         while self._read < latest:
+            key = f"{self._key}/{self._read + 1}"
+            if not self._store.check([key]):
+                now = time.monotonic()
+                if self._missing_since is None:
+                    self._missing_since = now
+                if now - self._missing_since < self._missing_after_s:
+                    return  # most likely being written right now: read it next time
+                on_bad(key, f"numbered but never written in {self._missing_after_s:g} s (its poster died between add and set?)")
+            else:
+                raw = self._store.get(key)
+                try:
+                    record = _from_json(cls, raw)
+                except (ValueError, TypeError) as exc:
+                    on_bad(key, f"not a {getattr(cls, '__name__', cls)} record ({type(exc).__name__}: {exc}): {raw[:200]!r}")
+                else:
+                    self._read += 1
+                    self._missing_since = None
+                    yield record
+                    continue
             self._read += 1
-            yield get(self._store, f"{self._key}/{self._read}", cls, timeout=30.0)
+            self._missing_since = None
 
 
 def put_pickle(store: dist.Store, key: str, obj: Any) -> None:

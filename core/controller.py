@@ -190,8 +190,12 @@ class Controller:
         self._flush_workers_json()
 
     def _tick(self) -> None:
-        for report in self.events.drain(Report):
-            self._on_report(report)
+        for report in self.events.drain(Report, on_bad=self._on_bad_record):
+            try:
+                self._on_report(report)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                # A well-formed record whose content makes no sense (a rank the job does not have, a detail missing).
+                self._on_bad_record(f"{Keys.events} ({report.kind} from {report.wid})", f"{type(exc).__name__}: {exc}")
             if self.outcome is not None:
                 return
         self._check_nodes()
@@ -201,6 +205,11 @@ class Controller:
             self._watch_running()
         else:
             self._advance_migration()
+
+    def _on_bad_record(self, key: str, why: str) -> None:
+        # A record nobody can act on must not take node 0's launcher (and the store) down.
+        self.say(f"ignoring record {key}: {why}")
+        self.ledger.append(JobEvent("bad_record", f"{key}: {why}", {"key": key}))
 
     def _on_report(self, report: Report) -> None:
         kind = report.kind

@@ -1,0 +1,77 @@
+"""A record nobody can act on never takes a reader down: the controller and the agents log it, record it, carry on.
+
+Against a real TCPStore: malformed entries, entries of another shape, a record
+whose poster died between numbering it and writing it, and a well-formed
+report whose content makes no sense.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from torchpass.core.config import TorchPassConfig
+from torchpass.core.control import Keys, Mailbox, Report
+from torchpass.core.controller import Controller, JobSpec
+
+
+def _store() -> dist.TCPStore:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+
+
+def _write_raw(store: dist.Store, key: str, raw: bytes) -> None:
+    n = store.add(f"{key}/seq", 1)
+    store.set(f"{key}/{n}", raw)
+
+
+def test_the_mailbox_skips_what_does_not_decode_and_keeps_order() -> None:
+    store = _store()
+    box = Mailbox(store, "box")
+    box.post(Report("spare_ready", "n0-s0", 0))
+    _write_raw(store, "box", b"\x80\x04not json")
+    _write_raw(store, "box", b"[1, 2, 3]")
+    _write_raw(store, "box", json.dumps({"kind": "exit", "surprise": 1}).encode())
+    box.post(Report("spare_ready", "n0-s1", 0))
+    bad: list[str] = []
+    got = [r.wid for r in Mailbox(store, "box").drain(Report, on_bad=lambda key, why: bad.append(key))]
+    assert got == ["n0-s0", "n0-s1"]
+    assert bad == ["box/2", "box/3", "box/4"]
+
+
+def test_a_numbered_but_unwritten_entry_is_waited_for_then_skipped() -> None:
+    store = _store()
+    reader = Mailbox(store, "box", missing_after_s=0.0)
+    patient = Mailbox(store, "box", missing_after_s=3600.0)
+    store.add("box/seq", 1)  # a poster that died between add and set
+    Mailbox(store, "box").post(Report("spare_ready", "n0-s0", 0))
+    bad: list[str] = []
+    # Not blocking and not skipping while the entry may still be being written...
+    assert list(patient.drain(Report, on_bad=lambda key, why: bad.append(key))) == [] and bad == []
+    # ...and skipped once it has been missing for longer than the bound (here: no wait at all).
+    assert [r.wid for r in reader.drain(Report, on_bad=lambda key, why: bad.append(why))] == ["n0-s0"]
+    assert len(bad) == 1 and "never written" in bad[0]
+
+
+def test_the_controller_records_a_bad_record_and_carries_on(tmp_path: Path) -> None:
+    store = _store()
+    said: list[str] = []
+    spec = JobSpec(world_size=2, nnodes=1, nproc_per_node=2, spares_per_node=1, run_id="t", command=["train.py"])
+    controller = Controller(store, spec, tmp_path, TorchPassConfig(), said.append, lambda wid, node: None, "127.0.0.1:0")
+    _write_raw(store, Keys.events, b"garbage")
+    _write_raw(store, Keys.events, json.dumps({"kind": "exit", "wid": "n0-a0", "unexpected": True}).encode())
+    Mailbox(store, Keys.events).post(Report("spawned", "n0-a9", 0, detail={}))  # no pid, no role: makes no sense
+    Mailbox(store, Keys.events).post(Report("spare_ready", "n0-s0", 0))
+    controller.tick()
+    assert controller.outcome is None
+    assert controller.spares == {"n0-s0": 0}, "a good record after bad ones was not processed"
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    bad = [e for e in events if e["type"] == "bad_record"]
+    assert len(bad) == 3, events
+    assert sum("ignoring record" in line for line in said) == 3
