@@ -25,7 +25,11 @@ the next step's forward and backward:
   state is about to change);
 * before the rank's first collective after its backward of step k+1 began, the
   push of version k is acknowledged: survivors can complete step k+1 only once
-  this rank's version-k copy is safe on its buddy.
+  this rank's version-k copy is safe on its buddy. A push that failed does not
+  open this gate: it is given up (:class:`GateReleased`), and so is a wait the
+  end of the generation interrupts (:meth:`BuddyKeeper.interrupt`), so a rank
+  never waits here on a buddy that died or hangs; the runtime turns either
+  into the end of the generation, and the migration re-pairs buddies.
 
 Hence after any failure every survivor holds its state at its live version and
 at its newest complete snapshot, and every lost rank's sharded state exists on
@@ -44,7 +48,11 @@ import torch
 from .manifest import Captured, capture, rebuild
 from .transfer import Address, TransferError, push_state
 
-__all__ = ["BuddyKeeper"]
+__all__ = ["BuddyKeeper", "GateReleased"]
+
+
+class GateReleased(Exception):
+    """A wait for the buddy copy was given up: the push failed, or the generation ended meanwhile."""
 
 
 def _layout_key(captured: Captured) -> tuple[Any, ...]:
@@ -89,6 +97,9 @@ class BuddyKeeper:
         self._requested = -1
         self._push_target: int = -1
         self.error: BaseException | None = None
+        self._undelivered: tuple[int, str] | None = None
+        """(version, why) of the newest push that failed; the gate for it is given up, not opened."""
+        self._interrupted = False
         self.bytes_pushed = 0
         self.finishing = False
         """Set once training ended: a push failing because the buddy already exited is expected then."""
@@ -98,6 +109,7 @@ class BuddyKeeper:
     def start(self, live: Captured, buddy: Address | None) -> None:
         """Snapshot ``live`` (at its version) and push its sharded part to ``buddy`` (None: no buddy)."""
         with self._cv:
+            self._interrupted = False
             self._todo = (live, buddy)
             self._requested = live.manifest.version
             self._push_target = live.manifest.version if buddy is not None else self._pushed
@@ -108,8 +120,37 @@ class BuddyKeeper:
         self._wait(lambda: self._copied >= self._requested, "copying the snapshot")
 
     def wait_pushed(self) -> None:
-        """Gate before a gradient collective: the previous version's buddy copy is acknowledged."""
-        self._wait(lambda: self._pushed >= self._push_target, "pushing the buddy copy")
+        """Gate before a gradient collective: the previous version's buddy copy is acknowledged.
+
+        Raises :class:`GateReleased` when that push failed, when :meth:`interrupt` is
+        called meanwhile, or after the transfer timeout: never opened without the copy.
+        """
+        target = self._push_target
+
+        def undelivered() -> bool:
+            return self._undelivered is not None and self._undelivered[0] >= target
+
+        with self._cv:
+            done = self._cv.wait_for(
+                lambda: self._pushed >= target or undelivered() or self._interrupted or self.error is not None, self._timeout
+            )
+            if self.error is not None:
+                raise RuntimeError(f"torchpass: pushing the buddy copy failed: {self.error}") from self.error
+            if self._pushed >= target:
+                return
+            if undelivered():
+                assert self._undelivered is not None
+                raise GateReleased(f"the buddy copy of step {self._undelivered[0]} could not be delivered: {self._undelivered[1]}")
+            if self._interrupted:
+                raise GateReleased(f"the generation ended while the buddy copy of step {target} was being pushed")
+            assert not done
+            raise GateReleased(f"pushing the buddy copy of step {target} took over {self._timeout:.0f} s")
+
+    def interrupt(self) -> None:
+        """The generation ended: give up a wait in :meth:`wait_pushed` (and any until the next :meth:`start`)."""
+        with self._cv:
+            self._interrupted = True
+            self._cv.notify_all()
 
     def _wait(self, done: Callable[[], bool], what: str) -> None:
         with self._cv:
@@ -152,11 +193,16 @@ class BuddyKeeper:
                         timeout=self._timeout,
                     )
             except (TransferError, OSError) as exc:
-                # The buddy is gone (it failed, or is being replaced): the migration
-                # that follows re-pairs buddies; until then this version is unprotected.
-                # After training ended, the buddy exiting first is expected, not news.
+                # The buddy is gone (it failed, hangs, or is being replaced): this version is
+                # not protected, so the gate that says it is must not open; the rank ends the
+                # generation there and the migration re-pairs buddies. After training ended,
+                # the buddy exiting first is expected, not news.
                 if not self.finishing:
                     print(f"[torchpass] rank {self.rank}: buddy copy of step {version} not delivered: {exc}", flush=True)
+                    with self._cv:
+                        self._undelivered = (version, str(exc)[:300])
+                        self._cv.notify_all()
+                    continue
             except BaseException as exc:  # surfaced on the training thread by the next gate
                 with self._cv:
                     self.error = exc

@@ -77,7 +77,7 @@ from .failures import is_comm_error
 from .manifest import Captured, capture, rebuild
 from .rng import capture_rng, restore_rng
 from .topology import Placement, assign_buddies, layout_to_dict
-from .buddy import BuddyKeeper
+from .buddy import BuddyKeeper, GateReleased
 from .transfer import ReceivePool, StateServer, TransferError, fetch_state
 
 __all__ = ["Runtime", "current", "CommFailure"]
@@ -243,6 +243,8 @@ class Runtime:
                 self.ending_reason = reason
                 self.ending.set()
                 comms.release_generation(g)
+                if self._buddy is not None:
+                    self._buddy.interrupt()
             with self._gen_cv:
                 self._gen_cv.wait_for(lambda: self.generation > g)
 
@@ -454,8 +456,12 @@ class Runtime:
         self._mirror.flush(self.config.report_timeout_s)
         if self._push_gate:
             assert self._buddy is not None
-            self._buddy.wait_pushed()
+            # Cleared first: the collectives of the recovery that may follow pass no gate.
             self._push_gate = False
+            try:
+                self._buddy.wait_pushed()
+            except GateReleased as exc:
+                raise CommFailure(f"rank {self.rank}: {exc}") from exc
 
     # ---- buddies --------------------------------------------------------
     def _publish_rankinfo(self) -> None:
