@@ -519,6 +519,8 @@ class Runtime:
         dirty = self.committing
         self.committing = False
         self.in_step = False
+        # The discarded step's gate: the recovery's own collectives pass none.
+        self._push_gate = False
         self.provider.discard_step()
         if aborted and not dirty and self.version == interrupted_step - 1:
             # Back to exactly the state at the start of the interrupted step.
