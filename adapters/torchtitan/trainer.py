@@ -202,7 +202,8 @@ class _Migration:
         while self._position <= goal:
             number, what = self._position
             if rt.ending.is_set():
-                self._migrated(rt.recover(f"generation ended before {'step' if what == _STEP else 'the save of step'} {number}: {rt.ending_reason}"))
+                action = "step" if what == _STEP else "the checkpoint save of step"
+                self._migrated(rt.recover(f"generation ended before {action} {number}: {rt.ending_reason}"))
                 continue
             if what == _STEP:
                 assert self._train_step is not None
