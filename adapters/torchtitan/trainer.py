@@ -90,13 +90,16 @@ def migration_config(job_config: JobConfig) -> TorchPassConfig | None:
         return None
     if config is None:
         logger.warning(
-            "torchpass: the job config has no [torchpass] section: running without live migration, a failed rank "
-            'stops the job. To make it migratable, add `[job] custom_config_module = "torchpass.adapters.torchtitan.'
-            'job_config"` and a `[torchpass]` table to the TOML.'
+            "torchpass: the job's config module declares no [torchpass] section: TorchTitan trains without live "
+            "migration and a failed rank stops the job (declare the section in it, see docs/adapters/torchtitan.md)"
         )
         return None
     if not config.enabled:
-        logger.warning("torchpass: [torchpass] enable = false: running without live migration, a failed rank stops the job")
+        off = "the job config sets [torchpass] enable = false" if not section.enable else "torchpass launch was given enabled=false"
+        logger.warning(
+            f"torchpass: {off}: TorchTitan trains without live migration and a failed rank stops the job "
+            "(set enable = true to make it migratable)"
+        )
         return None
     _refuse_unsupported(job_config)
     rt.config = config
