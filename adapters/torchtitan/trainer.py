@@ -39,9 +39,10 @@ What this requires, and what it does not cover:
   own ``[fault_tolerance]`` (two recovery mechanisms for one failure).
 * Code ``train()`` runs between steps besides the save (validation, the
   step-1 ``set_pg_timeouts`` barrier) is outside the guarded step: a fault
-  that surfaces there stops the job instead of migrating it. The timeouts that
-  barrier sets apply to the first generation's communicators only; rebuilt
-  ones use the timeout the groups were created with.
+  that surfaces there stops the job instead of migrating it. That barrier and
+  the timeouts it sets are for the first generation only (every rank can tell
+  alone whether it is in it): rebuilt communicators keep the timeout their
+  groups were created with.
 
 Without ``torchpass launch``, or with ``[torchpass] enable = false``, this is
 TorchTitan's ``Trainer`` with no hook of any kind (the section is still
@@ -172,6 +173,7 @@ class _Migration:
         self._attached = False
         self._position = (1, _STEP)
         trainer.checkpointer.save = self.save
+        _first_generation_only_pg_timeouts(rt)
 
     def batches(self) -> Iterator[Any]:
         """An endless iterator over the data's batches (a re-executed step's again)."""
@@ -237,6 +239,32 @@ class _Migration:
     def _migrated(self, resume_at: int) -> None:
         target = resume_at - 1
         self._position = (target, _SAVE) if self.checkpoints.pending == target else (resume_at, _STEP)
+
+
+def _first_generation_only_pg_timeouts(rt: runtime.Runtime) -> None:
+    """Run TorchTitan's step-1 ``set_pg_timeouts`` only on ranks that have never migrated.
+
+    ``train()`` calls it once, after step 1: a barrier on the world, then shorter
+    timeouts on the groups. Ranks must agree on whether they reach it. A spare
+    always returns to ``train()`` at the step it joins at, so one that joins at
+    step 1 would call it while survivors that rolled back to step 0 (a buddy copy)
+    re-execute steps 1 and 2 without returning there: a barrier nobody else enters.
+    The rule every rank can follow alone: the first generation calls it, later ones
+    do not. Nothing is lost: rebuilt communicators keep the timeout their groups
+    were created with in any case. ``train()`` looks the function up on
+    ``torchtitan.distributed.utils`` at call time, hence the module attribute.
+    """
+    from torchtitan.distributed import utils as dist_utils
+
+    set_pg_timeouts = dist_utils.set_pg_timeouts
+
+    def first_generation_only(*args: Any, **kwargs: Any) -> None:
+        if rt.generation == 0:
+            set_pg_timeouts(*args, **kwargs)
+        else:
+            logger.info("torchpass: process-group timeouts stay as created: this rank's groups were rebuilt by a migration")
+
+    dist_utils.set_pg_timeouts = first_generation_only
 
 
 def _batch_stream(trainer: Trainer) -> str:

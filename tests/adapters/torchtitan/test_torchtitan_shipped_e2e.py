@@ -108,12 +108,17 @@ def references(tmp_path_factory: pytest.TempPathFactory, assets: Assets, hf_cach
     return References(tmp_path_factory.mktemp("references"), assets, hf_cache)
 
 
-def _launch(tmp_path: Path, job: Job, assets: Assets, hf_cache: Path, env: dict[str, str] | None = None) -> JobRun:
-    args = shipped_args(job.config, job.layout, assets, list(job.extra))
+def _launch(
+    tmp_path: Path, job: Job, assets: Assets, hf_cache: Path, env: dict[str, str] | None = None, fault: tuple[str, ...] = ()
+) -> JobRun:
+    """Start ``job``; ``fault``: flags of this run only (a chaos point), not of its reference."""
+    args = shipped_args(job.config, job.layout, assets, [*job.extra, *fault])
     return launch_titan(tmp_path, job.layout, assets, hf_cache, args=args, env=env)
 
 
-def _check_migrated(run: JobRun, reference: Outcome, pids_before: dict[int, int], replaced: int, layout: str) -> dict[str, Any]:
+def _check_migrated(
+    run: JobRun, reference: Outcome, pids_before: dict[int, int], replaced: int, layout: str, max_steps_lost: int = 1
+) -> dict[str, Any]:
     assert run.wait(600) == 0, run.output()[-4000:]
     results = run.results()
     assert_bitwise(results, reference.results)
@@ -130,7 +135,7 @@ def _check_migrated(run: JobRun, reference: Outcome, pids_before: dict[int, int]
     last = migrations[0]
     assert last["cause"] == "kill" and last["classification"] == "qualifying", last
     assert [int(r) for r in last["replaced"]] == [replaced], last
-    assert last["steps_lost"] <= (0 if layout in REPLICATED else 1), last
+    assert last["steps_lost"] <= (0 if layout in REPLICATED else max_steps_lost), last
     print(f"[{layout}] rank {replaced}: target step {last['target_step']}, steps lost {last['steps_lost']}, "
           f"{last['bytes_moved'] / 1e6:.1f} MB moved, timings {last['timings']}")  # fmt: skip
     return last
@@ -168,6 +173,30 @@ def test_full_activation_checkpointing_sigkill(tmp_path: Path, references: Refer
 def test_llama3_8b_config_scaled_down_sigkill(tmp_path: Path, references: References, assets: Assets, hf_cache: Path) -> None:
     # The 8B config shards over every rank (data_parallel_shard_degree = -1): FSDP over 4.
     _sigkill_at_random(tmp_path, Job("llama3_8b", "fsdp"), references, assets, hf_cache, "torchtitan-shipped-8b")
+
+
+def test_a_rollback_past_step_one_re_executes_it_with_the_spare(
+    tmp_path: Path, references: References, assets: Assets, hf_cache: Path
+) -> None:
+    """Survivors roll back to step 0 (buddy copies every 2 steps) from inside step 2, past TorchTitan's step-1 barrier.
+
+    The spare executes step 1 and returns to ``train()``, which would call
+    ``set_pg_timeouts`` (a world barrier) while the survivors go on to step 2:
+    it must not (it happened in a campaign: the job hung until the hang timeout).
+    """
+    job = Job("debug_model", "fsdp", ("--torchpass.buddy_interval_steps", "2"))
+    expected = references[job]
+    rank = fault_rng("torchtitan-rollback-past-step-1").randrange(4)
+    # SIGKILL when step 2's backward begins: survivors hold version 1, the lost rank's copies only version 0.
+    chaos = ("--torchpass.chaos.kill_rank", str(rank), "--torchpass.chaos.kill_step", "2", "--torchpass.chaos.kill_point", "backward")
+    run = _launch(tmp_path, job, assets, hf_cache, fault=chaos)
+    try:
+        run.wait_step(rank, 1, timeout=300)
+        pids = run.active_pids()
+        last = _check_migrated(run, expected, pids, rank, "fsdp", max_steps_lost=2)
+    finally:
+        run.kill()
+    assert last["target_step"] == 1 and last["steps_lost"] == 1, last
 
 
 @pytest.mark.parametrize(
