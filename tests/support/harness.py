@@ -16,9 +16,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from torchpass.core.inject import inject as inject_fault
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 REPO = Path(__file__).resolve().parents[2]
 JOBS = Path(__file__).resolve().parent
@@ -193,6 +197,19 @@ def _wait_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 6
         if proc.poll() is not None or time.time() > deadline:
             raise AssertionError(f"launcher did not start:\n{log.read_text()[-3000:]}")
         time.sleep(0.05)
+
+
+class RunOnce(Generic[K, V]):
+    """Values computed once on first use and kept: a module's fault-free reference runs, keyed by job."""
+
+    def __init__(self, compute: Callable[[K], V]):
+        self._compute = compute
+        self._values: dict[K, V] = {}
+
+    def __getitem__(self, key: K) -> V:
+        if key not in self._values:
+            self._values[key] = self._compute(key)
+        return self._values[key]
 
 
 def assert_bitwise(run: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]]) -> None:

@@ -29,24 +29,14 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import JobRun, assert_bitwise, fault_rng
-from tests.support.torchtitan.assets import Assets, make_assets
+from tests.support.harness import JobRun, RunOnce, assert_bitwise, fault_rng
+from tests.support.torchtitan.assets import Assets
 from tests.support.torchtitan.jobs import STEPS, launch_titan, torchrun_titan
 
 pytestmark = pytest.mark.e2e
 
 REPLICATED = {"ddp", "hsdp"}
 """Layouts whose parameters and optimizer state have data-parallel replicas; the others rely on buddy copies."""
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
-    return make_assets(tmp_path_factory.mktemp("torchtitan-assets"))
-
-
-@pytest.fixture(scope="module")
-def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hf-datasets-cache")
 
 
 def _reference_run(workdir: Path, layout: str, assets: Assets, hf_cache: Path) -> JobRun:
@@ -61,32 +51,25 @@ def _reference_run(workdir: Path, layout: str, assets: Assets, hf_cache: Path) -
     return run
 
 
-def test_enable_false_installs_no_hook(references: References) -> None:
+def test_enable_false_installs_no_hook(references: RunOnce[str, dict]) -> None:
     off, torchrun = references["ddp"], references["hsdp"]
     for rank in range(4):
         assert off[rank]["hooks"] == torchrun[rank]["hooks"], (off[rank]["hooks"], torchrun[rank]["hooks"])
         assert off[rank]["hooks"] == {"migration": False, "optimizer_step_hooks": off[rank]["hooks"]["optimizer_step_hooks"], "overrides": []}
 
 
-class References:
-    """Each layout's fault-free results, run once per module on first use."""
-
-    def __init__(self, root: Path, assets: Assets, hf_cache: Path):
-        self._root, self._assets, self._hf_cache = root, assets, hf_cache
-        self._results: dict[str, dict] = {}
-
-    def __getitem__(self, layout: str) -> dict:
-        if layout not in self._results:
-            run = _reference_run(self._root / layout, layout, self._assets, self._hf_cache)
-            results = run.results()
-            assert sorted(results) == [0, 1, 2, 3] and all(len(r["losses"]) == STEPS for r in results.values())
-            self._results[layout] = results
-        return self._results[layout]
+def _reference_results(root: Path, layout: str, assets: Assets, hf_cache: Path) -> dict:
+    run = _reference_run(root / layout, layout, assets, hf_cache)
+    results = run.results()
+    assert sorted(results) == [0, 1, 2, 3] and all(len(r["losses"]) == STEPS for r in results.values())
+    return results
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory, assets: Assets, hf_cache: Path) -> References:
-    return References(tmp_path_factory.mktemp("references"), assets, hf_cache)
+def references(tmp_path_factory: pytest.TempPathFactory, assets: Assets, hf_cache: Path) -> RunOnce[str, dict]:
+    """Each layout's fault-free results, run once per module on first use."""
+    root = tmp_path_factory.mktemp("references")
+    return RunOnce(lambda layout: _reference_results(root, layout, assets, hf_cache))
 
 
 def _check_migrated(run: JobRun, reference: dict, pids_before: dict[int, int], replaced: int, cause: str, layout: str) -> dict[str, Any]:
@@ -119,7 +102,9 @@ def _check_migrated(run: JobRun, reference: dict, pids_before: dict[int, int], r
 
 
 @pytest.mark.parametrize("layout", ["ddp", "tp_fsdp"])
-def test_sigkill_random_rank_at_random_step(tmp_path: Path, layout: str, references: References, assets: Assets, hf_cache: Path) -> None:
+def test_sigkill_random_rank_at_random_step(
+    tmp_path: Path, layout: str, references: RunOnce[str, dict], assets: Assets, hf_cache: Path
+) -> None:
     expected = references[layout]
     rng = fault_rng(f"torchtitan-{layout}-sigkill")
     rank, step = rng.randrange(4), rng.randint(3, STEPS - 2)
@@ -134,7 +119,7 @@ def test_sigkill_random_rank_at_random_step(tmp_path: Path, layout: str, referen
     assert last["failed_ranks"] == [rank]
 
 
-def test_sigterm_is_a_planned_migration(tmp_path: Path, references: References, assets: Assets, hf_cache: Path) -> None:
+def test_sigterm_is_a_planned_migration(tmp_path: Path, references: RunOnce[str, dict], assets: Assets, hf_cache: Path) -> None:
     expected = references["ddp"]
     rng = fault_rng("torchtitan-sigterm")
     rank, step = rng.randrange(4), rng.randint(3, STEPS - 2)

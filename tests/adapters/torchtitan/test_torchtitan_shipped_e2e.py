@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import JobRun, assert_bitwise, fault_rng
-from tests.support.torchtitan.assets import Assets, make_assets
+from tests.support.harness import JobRun, RunOnce, assert_bitwise, fault_rng
+from tests.support.torchtitan.assets import Assets
 from tests.support.torchtitan.jobs import SHIPPED, checkpoint_digest, launch_titan, shipped_args, torchrun_titan
 from tests.support.torchtitan.probe import KILL_IN_SAVE_ENV
 
@@ -68,44 +68,31 @@ def _checkpoints(run: JobRun) -> dict[str, str]:
     return {d.name: checkpoint_digest(d) for d in sorted(folder.glob("step-*"))} if folder.is_dir() else {}
 
 
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Assets:
-    return make_assets(tmp_path_factory.mktemp("torchtitan-assets"))
+def _reference(root: Path, job: Job, assets: Assets, hf_cache: Path) -> Outcome:
+    workdir = root / "_".join([job.config, job.layout, *(flag.lstrip("-") for flag in job.extra)])
+    args = shipped_args(job.config, job.layout, assets, list(job.extra))
+    if job.layout == "hsdp":
+        run = torchrun_titan(workdir, job.layout, assets, hf_cache, args=args)
+    else:
+        run = launch_titan(workdir, job.layout, assets, hf_cache, args=args)
+        assert run.wait(600) == 0, run.output()[-4000:]
+        assert not run.migrations()
+    results = run.results()
+    assert sorted(results) == [0, 1, 2, 3] and all(len(r["losses"]) == STEPS for r in results.values())
+    assert all(len(r["grad_norms"]) == STEPS for r in results.values())
+    outcome = Outcome(results, _checkpoints(run))
+    assert f"step-{STEPS}" in outcome.checkpoints
+    return outcome
 
 
-@pytest.fixture(scope="module")
-def hf_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("hf-datasets-cache")
-
-
-class References:
-    """Each job's fault-free outcome, run once per module on first use."""
-
-    def __init__(self, root: Path, assets: Assets, hf_cache: Path):
-        self._root, self._assets, self._hf_cache = root, assets, hf_cache
-        self._outcomes: dict[Job, Outcome] = {}
-
-    def __getitem__(self, job: Job) -> Outcome:
-        if job not in self._outcomes:
-            workdir = self._root / f"{job.config}-{job.layout}-{len(self._outcomes)}"
-            args = shipped_args(job.config, job.layout, self._assets, list(job.extra))
-            if job.layout == "hsdp":
-                run = torchrun_titan(workdir, job.layout, self._assets, self._hf_cache, args=args)
-            else:
-                run = launch_titan(workdir, job.layout, self._assets, self._hf_cache, args=args)
-                assert run.wait(600) == 0, run.output()[-4000:]
-                assert not run.migrations()
-            results = run.results()
-            assert sorted(results) == [0, 1, 2, 3] and all(len(r["losses"]) == STEPS for r in results.values())
-            assert all(len(r["grad_norms"]) == STEPS for r in results.values())
-            self._outcomes[job] = Outcome(results, _checkpoints(run))
-            assert f"step-{STEPS}" in self._outcomes[job].checkpoints
-        return self._outcomes[job]
+References = RunOnce[Job, Outcome]
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory: pytest.TempPathFactory, assets: Assets, hf_cache: Path) -> References:
-    return References(tmp_path_factory.mktemp("references"), assets, hf_cache)
+    """Each job's fault-free outcome, run once per module on first use."""
+    root = tmp_path_factory.mktemp("references")
+    return RunOnce(lambda job: _reference(root, job, assets, hf_cache))
 
 
 def _launch(
