@@ -39,9 +39,12 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from .config import TorchPassConfig, config_from_mapping
 from .control import Heartbeat, Keys, Mailbox, Report, put_pickle, try_get
-from .failures import is_comm_error
+from .failures import FENCE_DUMP_SIGNAL, is_comm_error
 
 __all__ = ["Agent", "NodeSpec"]
+
+FENCE_DUMP_WAIT_S = 0.3
+"""How long a fence waits for the worker's stack dump before it kills it."""
 
 
 @dataclass
@@ -201,6 +204,10 @@ class Agent:
             return
         w.fenced_for = why
         try:
+            # Where was it? The worker writes every thread's stack to its log on this signal
+            # (a stopped process cannot, and loses nothing but this pause).
+            os.kill(w.handler.proc.pid, FENCE_DUMP_SIGNAL)
+            time.sleep(FENCE_DUMP_WAIT_S)
             os.killpg(w.handler.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass  # it died on its own meanwhile; the reaper reports it

@@ -1,4 +1,4 @@
-"""What a failed collective's error says: the one list both the worker and its agent classify errors by.
+"""Failure facts the worker and its agent share: what a failed collective's error says, how a fence asks for a stack.
 
 A worker classifies an exception raised inside a step (migrate, or let it
 propagate as a bug in the script); its agent classifies the uncaught exception
@@ -9,7 +9,12 @@ be migrated by one reading and stop the job by the other.
 
 from __future__ import annotations
 
-__all__ = ["COMM_ERROR_MARKERS", "is_comm_error"]
+import signal
+
+__all__ = ["COMM_ERROR_MARKERS", "FENCE_DUMP_SIGNAL", "is_comm_error"]
+
+FENCE_DUMP_SIGNAL = signal.SIGUSR1
+"""Sent by an agent right before it fences a worker: the worker writes every thread's stack to its log."""
 
 COMM_ERROR_MARKERS = (
     "gloo",

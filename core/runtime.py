@@ -39,6 +39,7 @@ side effects happen at most once); batches come from :class:`ReplayableData`.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import queue
@@ -73,7 +74,7 @@ from .control import (
     read_mirror,
 )
 from .data import ReplayableData
-from .failures import is_comm_error
+from .failures import FENCE_DUMP_SIGNAL, is_comm_error
 from .manifest import Captured, capture, rebuild
 from .rng import capture_rng, restore_rng
 from .topology import Placement, assign_buddies, layout_to_dict
@@ -255,7 +256,13 @@ class Runtime:
             self._gen_cv.notify_all()
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM asks for a planned migration of this rank instead of killing it."""
+        """SIGTERM asks for a planned migration of this rank instead of killing it; SIGUSR1 dumps every thread's stack.
+
+        The agent sends SIGUSR1 before it fences a worker, so the log shows where a
+        silent rank was blocked (faulthandler writes from the signal handler itself,
+        so a thread blocked inside C code is dumped too).
+        """
+        faulthandler.register(FENCE_DUMP_SIGNAL, all_threads=True, file=sys.stderr)
 
         def on_term(signum: int, frame: Any) -> None:
             del signum, frame
