@@ -460,7 +460,9 @@ class Controller:
                         # The collective error was the symptom; a silent process is the cause.
                         m.cause = "node" if self._node_silent(self.node_of.get(wid, 0)) else "hang"
                 elif now >= m.deadline:
-                    self._lose(rank, wid, f"did not report within {self.config.report_timeout_s:.0f} s")
+                    hb = try_get(self.store, Keys.heartbeat(wid), Heartbeat)
+                    seen = f"; alive, last seen in phase {hb.phase!r} at step {hb.step}" if hb is not None else ""
+                    self._lose(rank, wid, f"did not report within {self.config.report_timeout_s:.0f} s{seen}")
                     m.failed.add(rank)
             expected = [r for r in expected if r not in m.failed]
             keys = [Keys.status(ended, r) for r in expected]
