@@ -98,7 +98,9 @@ class BuddyKeeper:
         self._push_target: int = -1
         self.error: BaseException | None = None
         self._undelivered: tuple[int, str] | None = None
-        """(version, why) of the newest push that failed; the gate for it is given up, not opened."""
+        """(version, why) of the current push if it failed; the gate for it is given up, not opened."""
+        self._requests = 0
+        """Counts start() calls: a failure of a push that a newer request superseded is not the current one's."""
         self._interrupted = False
         self.bytes_pushed = 0
         self.finishing = False
@@ -110,6 +112,8 @@ class BuddyKeeper:
         """Snapshot ``live`` (at its version) and push its sharded part to ``buddy`` (None: no buddy)."""
         with self._cv:
             self._interrupted = False
+            self._undelivered = None
+            self._requests += 1
             self._todo = (live, buddy)
             self._requested = live.manifest.version
             self._push_target = live.manifest.version if buddy is not None else self._pushed
@@ -167,6 +171,7 @@ class BuddyKeeper:
                 assert self._todo is not None
                 live, buddy = self._todo
                 self._todo = None
+                request = self._requests
                 version = live.manifest.version
                 reuse = None
                 if len(self._snapshots) >= 2:
@@ -200,8 +205,9 @@ class BuddyKeeper:
                 if not self.finishing:
                     print(f"[torchpass] rank {self.rank}: buddy copy of step {version} not delivered: {exc}", flush=True)
                     with self._cv:
-                        self._undelivered = (version, str(exc)[:300])
-                        self._cv.notify_all()
+                        if request == self._requests:
+                            self._undelivered = (version, str(exc)[:300])
+                            self._cv.notify_all()
                     continue
             except BaseException as exc:  # surfaced on the training thread by the next gate
                 with self._cv:

@@ -222,6 +222,9 @@ class _Migration:
                     continue
                 self._position = (number, _SAVE)
                 continue
+            # TorchTitan saves the trainer's own state too ({"step": trainer.step, ...}): a spare
+            # writing an interrupted save before its first step must save that step, not its own.
+            self.trainer.step = number
             try:
                 self.checkpoints.write(number)
             except (Exception, CheckpointException) as exc:

@@ -97,3 +97,21 @@ def test_a_delivered_copy_opens_the_gate() -> None:
         assert holder.held_versions() == {0: [7]}
     finally:
         server.close()
+
+
+def test_a_new_push_supersedes_the_failure_of_the_one_before(silent_holder: tuple[str, int]) -> None:
+    """After a migration the rank pushes the same version to its new buddy: the old buddy's failure is history."""
+    holder = _keeper()
+    from torchpass.core.transfer import StateServer
+
+    server = StateServer(host="127.0.0.1", hold_into=holder.hold_into, on_held=holder.on_held)
+    try:
+        keeper = _keeper()
+        keeper.start(_state(4), ("127.0.0.1", _free_port()))  # the old buddy is dead
+        with pytest.raises(GateReleased):
+            keeper.wait_pushed()
+        keeper.start(_state(4), server.address)  # re-paired after the migration
+        keeper.wait_pushed()
+        assert holder.held_versions() == {0: [4]}
+    finally:
+        server.close()

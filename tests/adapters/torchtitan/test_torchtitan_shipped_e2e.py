@@ -187,22 +187,25 @@ def test_a_rollback_past_step_one_re_executes_it_with_the_spare(
 
 
 @pytest.mark.parametrize(
-    ("layout", "save_step"),
-    [("hsdp", 5), ("fsdp", STEPS)],
-    ids=["hsdp-mid-run-save", "fsdp-final-save"],
+    ("layout", "save_step", "dying"),
+    [("hsdp", 5, 0), ("fsdp", STEPS, None)],
+    ids=["hsdp-mid-run-save-coordinator", "fsdp-final-save"],
 )
 def test_sigkill_inside_a_checkpoint_save(
-    tmp_path: Path, layout: str, save_step: int, references: References, assets: Assets, hf_cache: Path
+    tmp_path: Path, layout: str, save_step: int, dying: int | None, references: References, assets: Assets, hf_cache: Path
 ) -> None:
     """A rank dies after writing its shards of a save, before the save's closing collective.
 
     The survivors' save fails; after the migration every rank, the spare
     included, writes that checkpoint again, and training goes on: both
-    checkpoints (step 5 and the final one) are bitwise TorchTitan's.
+    checkpoints (step 5 and the final one) are bitwise TorchTitan's. Rank 0 is
+    DCP's coordinator, which writes the checkpoint's replicated entries (the
+    trainer's step among them): when it dies, the spare that replaces it
+    coordinates the save again (it once wrote its own step, 1, there).
     """
     job = Job("debug_model", layout, ("--checkpoint.interval", "5"))
     expected = references[job]
-    rank = fault_rng(f"torchtitan-save-{layout}").randrange(4)
+    rank = dying if dying is not None else fault_rng(f"torchtitan-save-{layout}").randrange(4)
     run = _launch(tmp_path, job, assets, hf_cache, env={KILL_IN_SAVE_ENV: f"{rank}:{save_step}"})
     try:
         run.wait_step(rank, 2, timeout=300)
