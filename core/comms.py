@@ -20,11 +20,15 @@ Protocol (driven by :mod:`torchpass.core.runtime`):
    collectives complete at once as if every peer held the same data as the
    spare, because whatever they compute is overwritten by the state transfer.
 3. ``release()`` (any thread) shuts down the connected sockets of the current
-   inner group. gloo has no abort that wakes a pending operation (measured:
-   ``ProcessGroupGloo.abort()`` and ``shutdown()`` return at once while the
-   pending collective stays blocked until the peer's socket closes), so this is
-   how survivors blocked on a hung or migrating peer are released within
-   milliseconds instead of the process-group timeout.
+   inner group and abandons its pending collectives. gloo has no abort that
+   wakes a pending operation (measured: ``ProcessGroupGloo.abort()`` and
+   ``shutdown()`` return at once while the pending collective stays blocked
+   until the peer's socket closes), so this is how survivors blocked on a hung
+   or migrating peer are released within milliseconds instead of the
+   process-group timeout. A closed socket alone is not enough: gloo never
+   signals an operation whose message was in transfer, so every live
+   collective's ``Work`` is one of :mod:`torchpass.core.pending_work`'s, which
+   the release fails.
 4. ``rebuild_all(store, generation)`` builds, in group-creation order, a fresh
    inner gloo group for every rebuildable group on the store prefix of the new
    generation. Creation order is the same on every rank (``new_group`` is a
@@ -65,6 +69,8 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
     _create_work_from_future,
 )
+
+from .pending_work import PendingWork
 
 __all__ = [
     "BACKEND_NAME",
@@ -139,7 +145,9 @@ def _connected_sockets() -> dict[int, tuple[str, tuple[Any, ...], tuple[Any, ...
 class _Transport:
     """One generation's inner gloo group and the sockets it owns."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, connect_timeout: timedelta, op_timeout: timedelta):
+    def __init__(
+        self, name: str, store: dist.Store, rank: int, size: int, connect_timeout: timedelta, op_timeout: timedelta
+    ):
         with socket_creation_lock:
             before = _connected_sockets()
             self.backend = ProcessGroupGloo(store, rank, size, connect_timeout)
@@ -155,11 +163,17 @@ class _Transport:
         self.group = dist.ProcessGroup(store, rank, size)
         self.group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.backend)
         self.group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self.pending = PendingWork(name)
         self.released = False
 
-    def release(self) -> int:
-        """Shut down this transport's sockets; returns how many were shut down."""
+    def release(self, reason: str) -> int:
+        """Shut down this transport's sockets and fail its pending collectives; returns the sockets shut down."""
         self.released = True
+        count = self._shut_down_sockets()
+        self.pending.abandon(reason)
+        return count
+
+    def _shut_down_sockets(self) -> int:
         count = 0
         for fd, link in self.sockets.items():
             try:
@@ -276,7 +290,7 @@ class RebuildableProcessGroup(dist.ProcessGroup):
     # ---- lifecycle ------------------------------------------------------
     def connect(self, store: dist.Store, generation: int, connect_timeout: timedelta) -> None:
         """Build this generation's transport; the previous one must have been released."""
-        transport = _Transport(store, self._rank, self._size, connect_timeout, self._op_timeout)
+        transport = _Transport(self._name, store, self._rank, self._size, connect_timeout, self._op_timeout)
         if self._transport is None and self.generation < 0:
             # The first live transport becomes the c10d-registered backend (see module docstring).
             self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, transport.backend)
@@ -289,7 +303,7 @@ class RebuildableProcessGroup(dist.ProcessGroup):
     def go_local(self) -> None:
         """Answer collectives locally (a spare before it joins)."""
         if self._transport is not None:
-            self._transport.release()
+            self._transport.release("the group went local")
             self._graveyard.append(self._transport)
         self._transport = None
         if self.generation < 0:
@@ -302,7 +316,7 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         transport = self._transport
         if transport is None or transport.released:
             return 0
-        return transport.release()
+        return transport.release(f"generation {self.generation} ended")
 
     def script_broadcasts(self, payloads: Sequence[torch.Tensor]) -> None:
         """In local mode, make the next broadcasts deliver ``payloads`` as if sent by the root.
@@ -320,7 +334,7 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         if transport is not None:
             if before_collective is not None:
                 before_collective()
-            return getattr(transport.group, name)(*args)
+            return transport.pending.run(lambda: getattr(transport.group, name)(*args))
         return _completed(local())
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -460,7 +474,9 @@ class RebuildableProcessGroup(dist.ProcessGroup):
 
     def _end_coalescing(self, device: torch.device) -> dist.Work:
         transport = self._transport
-        return transport.group._end_coalescing(device) if transport is not None else _completed([])
+        if transport is None:
+            return _completed([])
+        return transport.pending.run(lambda: transport.group._end_coalescing(device))
 
 
 def _allreduce_opts(op: Any) -> AllreduceOptions:

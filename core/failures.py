@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["COMM_ERROR_MARKERS", "FENCE_DUMP_SIGNAL", "is_comm_error"]
+__all__ = ["ABANDONED_MARKER", "COMM_ERROR_MARKERS", "FENCE_DUMP_SIGNAL", "is_comm_error"]
 
 FENCE_DUMP_SIGNAL = signal.SIGUSR1
 """Sent by an agent right before it fences a worker: the worker writes every thread's stack to its log."""
 
+ABANDONED_MARKER = "torchpass: collective abandoned"
+"""Opens the error of a collective that was pending when its generation ended (see ``comms``)."""
+
 COMM_ERROR_MARKERS = (
+    ABANDONED_MARKER,
     "gloo",
     "Connection closed by peer",
     "Connection reset by peer",

@@ -1,0 +1,203 @@
+"""PendingWork: a live collective's Work completes with gloo's, or fails at once when its transport is released.
+
+The unit cases drive real gloo works of a one-rank group (and, for a collective
+whose peer never answers, a work whose future only the test completes). The two-process case
+reproduces what made survivors go silent: a release that lands while a
+collective's message is in transfer, which gloo never signals.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+from torchpass.core.failures import ABANDONED_MARKER, is_comm_error
+from torchpass.core.pending_work import PendingWork, TrackedWork
+from tests.support.harness import free_port
+
+
+@pytest.fixture(scope="module")
+def gloo() -> ProcessGroupGloo:
+    return ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+
+
+def _never_completing() -> tuple[dist.Work, torch.futures.Future]:
+    """A work whose future only the test completes (gloo's, on a peer that never answers)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    return TrackedWork(fut), fut
+
+
+def test_a_collective_completes_with_gloos_result(gloo):
+    pending = PendingWork("unit")
+    t = torch.tensor([1.5, -2.0])
+    work = pending.run(lambda: gloo.allreduce([t]))
+    work.wait()
+    assert t.tolist() == [1.5, -2.0]
+    assert work.get_future().value()[0] is t
+
+
+def test_an_operation_without_a_gloo_future_completes_through_the_waiter(gloo):
+    pending = PendingWork("unit")
+    out = torch.empty(2)
+    # gloo's reduce-scatter work has no future ("Work::getFuture not implemented").
+    with pytest.raises(RuntimeError, match="getFuture"):
+        gloo._reduce_scatter_base(torch.empty(2), torch.tensor([3.0, 4.0])).get_future()
+    work = pending.run(lambda: gloo._reduce_scatter_base(out, torch.tensor([3.0, 4.0])))
+    work.wait()
+    assert out.tolist() == [3.0, 4.0]
+
+
+def test_a_gloo_error_reaches_the_waiter():
+    pending = PendingWork("unit")
+    inner, fut = _never_completing()
+    work = pending.run(lambda: inner)
+    fut.set_exception(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        work.wait()
+
+
+def test_abandon_fails_a_pending_collective_at_once_and_ignores_its_late_completion():
+    pending = PendingWork("tp")
+    inner, fut = _never_completing()
+    work = pending.run(lambda: inner)
+    assert pending.abandon("generation 3 ended") == 1
+    with pytest.raises(RuntimeError) as raised:
+        work.wait()  # without the abandonment this waits forever
+    message = str(raised.value)
+    assert ABANDONED_MARKER in message and "'tp'" in message and "generation 3 ended" in message
+    assert is_comm_error(message), "the runtime must read an abandoned collective as a comm failure"
+    fut.set_result([])  # gloo finishing late changes nothing
+    assert pending.abandon("again") == 0
+
+
+def test_nothing_is_issued_on_an_abandoned_transport():
+    pending = PendingWork("dp")
+    pending.abandon("generation 0 ended")
+    issued = []
+    work = pending.run(lambda: issued.append(1) or _never_completing()[0])
+    assert issued == []
+    with pytest.raises(RuntimeError, match=ABANDONED_MARKER):
+        work.wait()
+
+
+def test_an_operation_on_the_waiter_is_abandoned_too():
+    pending = PendingWork("pp")
+    gate: torch.futures.Future = torch.futures.Future()
+
+    class _NoFuture:
+        """A Work gloo gives no future for (send/recv), here one that never completes."""
+
+        def get_future(self):
+            raise RuntimeError("Work::getFuture not implemented.")
+
+        def wait(self):
+            gate.wait()
+
+        def result(self):
+            return []
+
+    work = pending.run(_NoFuture)
+    assert pending.abandon("generation 1 ended") == 1
+    with pytest.raises(RuntimeError, match=ABANDONED_MARKER):
+        work.wait()
+    gate.set_result(None)  # the waiter thread gets out and stops
+
+
+def test_a_callback_chained_on_completion_may_issue_the_next_collective(gloo):
+    """Futures complete outside the lock: DDP's and FSDP's chained callbacks issue collectives."""
+    pending = PendingWork("unit")
+    t = torch.ones(2)
+    second: list[dist.Work] = []
+    first = pending.run(lambda: gloo.allreduce([t]))
+    done = threading.Event()
+
+    def chain(_):
+        second.append(pending.run(lambda: gloo.allreduce([t])))
+        done.set()
+
+    first.get_future().add_done_callback(chain)
+    assert done.wait(10)
+    second[0].wait()
+
+
+# ---- the silent-survivor case: a release while a message is in transfer ------------------
+# Without PendingWork both ranks stay blocked until gloo's timeout (measured: 15 s of 15 s).
+
+_TWO_RANKS = textwrap.dedent(
+    """
+    import json, os, signal, sys, threading, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torchpass.core import comms
+
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    comms.install()
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    # A process-group timeout past the test's: a collective the release misses hangs the test.
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=900))
+    big = torch.ones(128 * 1024 * 1024)  # 512 MB: moving it takes far longer than 0.1 s
+    store.set(f"pid{rank}", str(os.getpid()))
+    peer = int(store.get("pid1"))
+    dist.all_reduce(torch.ones(1))  # both ranks are connected and idle
+
+    def monitor():  # what the runtime's monitor thread does when the generation ends
+        own = dist.TCPStore("127.0.0.1", port, 2, False, timeout=timedelta(seconds=60))  # a client per thread
+        own.wait(["end"], timedelta(seconds=600))
+        comms.release_generation(0)
+    threading.Thread(target=monitor, daemon=True).start()
+    if rank == 0:
+        def freeze_then_end():
+            # The peer stops mid-message (a SIGSTOPped or overloaded rank), the generation ends,
+            # and the peer resumes into a released generation.
+            time.sleep(0.1)
+            os.kill(peer, signal.SIGSTOP)
+            time.sleep(0.5)
+            store.set("end", "rank 1 stopped")
+            time.sleep(0.5)
+            os.kill(peer, signal.SIGCONT)
+        freezer = threading.Thread(target=freeze_then_end)
+        freezer.start()
+    try:
+        # One message, and it is in transfer when the generation ends: gloo signals
+        # queued operations on a failed pair, never the one being transferred.
+        dist.recv(big, src=1) if rank == 0 else dist.send(big, dst=0)
+        outcome = "completed"
+    except Exception as exc:
+        outcome = str(exc)
+    if rank == 0:
+        freezer.join()  # the peer runs again before this rank leaves
+    print("RESULT" + json.dumps({"rank": rank, "outcome": outcome}), flush=True)
+    os._exit(0)
+    """
+)
+
+
+def test_a_release_during_a_transfer_fails_the_collective_at_once():
+    port = free_port()
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _TWO_RANKS, str(r), str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]  # a hang fails here
+    finally:
+        for p in procs:
+            p.kill()
+    results = {}
+    for (out, err), p in zip(outs, procs):
+        line = next((ln for ln in out.splitlines() if ln.startswith("RESULT")), None)
+        assert line is not None, err[-3000:]
+        result = json.loads(line[len("RESULT") :])
+        results[result["rank"]] = result
+    for rank, result in results.items():
+        assert result["outcome"] != "completed", result
+        assert is_comm_error(result["outcome"]), result
