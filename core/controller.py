@@ -101,6 +101,8 @@ class _Migration:
     """When the controller last looked for silent members while collecting statuses."""
     awaiting_spares: float = 0.0
     """When planning first found no ready spare while some were still starting (0: it has not)."""
+    fenced: dict[int, str] = field(default_factory=dict)
+    """Rank -> why the controller fenced it during this migration although the fault was another rank's."""
 
 
 class Controller:
@@ -475,7 +477,15 @@ class Controller:
         self._plan(m, statuses)
 
     def _lose(self, rank: int, wid: str, why: str) -> None:
+        """Fence a member that went silent during the current migration.
+
+        When the fault was another rank's (a process lost, a drain), this one is a
+        survivor the migration cost as well, and the ledger says so.
+        """
         self.say(f"rank {rank} ({wid}) {why}: fencing it")
+        m = self.migration
+        if m is not None and (m.failed | m.draining) - {rank}:
+            m.fenced[rank] = f"{wid} {why}"
         self.lost_wids.add(wid)
         self._set_role(wid, "lost")
         self._fence_cb(wid, self.node_of.get(wid, -1))
@@ -680,6 +690,7 @@ class Controller:
             bytes_moved=sum(int(d.get("bytes", 0)) for d in done.values()),
             timings={k: round(v, 4) for k, v in timings.items()},
             message=message,
+            fenced={str(r): why for r, why in sorted(m.fenced.items())},
         )
         self.ledger.append(event)
         if outcome == "success":

@@ -53,6 +53,10 @@ class MigrationEvent:
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per phase: detect, report, plan, spare_setup, transfer, rebuild, resume, total."""
     message: str = ""
+    fenced: dict[str, str] = field(default_factory=dict)
+    """Rank -> why the controller fenced it during the migration although the fault was another rank's (a
+    survivor that went silent or was not ready in time). Such a migration cost the job more than the failed
+    process, so ``torchpass report`` lists it apart from clean ones."""
     t: float = field(default_factory=time.time)
     type: str = "migration"
 

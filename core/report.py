@@ -27,6 +27,8 @@ class RunReport:
     exit_code: int | None = None
     qualifying: int = 0
     qualifying_succeeded: int = 0
+    succeeded_with_fencing: int = 0
+    """Successful qualifying migrations that fenced a process besides the failed ranks' (a survivor went silent)."""
     disqualifying: int = 0
     superseded_attempts: int = 0
     time_lost_s: float = 0.0
@@ -74,6 +76,7 @@ def build_report(run_dir: str | Path) -> RunReport:
                     "time_lost_s": lost,
                     "timings": ev.get("timings", {}),
                     "message": ev.get("message", ""),
+                    "fenced": ev.get("fenced", {}),
                 }
             )
             rep.bytes_moved += int(ev["bytes_moved"])
@@ -81,6 +84,7 @@ def build_report(run_dir: str | Path) -> RunReport:
             if ev["classification"] == QUALIFYING:
                 rep.qualifying += 1
                 rep.qualifying_succeeded += ev["outcome"] == "success"
+                rep.succeeded_with_fencing += ev["outcome"] == "success" and bool(ev.get("fenced"))
             elif ev["classification"] == DISQUALIFYING:
                 rep.disqualifying += 1
         else:
@@ -93,6 +97,11 @@ def format_report(rep: RunReport) -> str:
     rate = rep.success_rate
     rate_text = "n/a (no qualifying failure)" if rate is None else f"{rate:.0%} ({rep.qualifying_succeeded}/{rep.qualifying})"
     lines.append(f"  success rate (qualifying migrations): {rate_text}")
+    if rep.succeeded_with_fencing:
+        lines.append(
+            f"  of which {rep.succeeded_with_fencing} fenced a process besides the failed rank(s) (marked *): "
+            "a survivor went silent and was replaced too"
+        )
     lines.append(f"  disqualifying events: {rep.disqualifying}; attempts superseded by a further fault: {rep.superseded_attempts}")
     lines.append(f"  time lost: {rep.time_lost_s:.2f} s in total; state moved: {rep.bytes_moved / 1e6:.1f} MB")
     if rep.incidents:
@@ -100,11 +109,14 @@ def format_report(rep: RunReport) -> str:
         lines.append(f"  {'gen':>3}  {'cause':<8} {'class':<13} {'outcome':<8} {'ranks':<10} {'step':>5} {'lost s':>7} {'MB':>8}  phases (s)")
         for inc in rep.incidents:
             phases = " ".join(f"{k}={v:.2f}" for k, v in inc["timings"].items() if k != "total")
+            mark = "*" if inc["fenced"] else " "
             lines.append(
-                f"  {inc['generation']:>3}  {inc['cause']:<8} {inc['class']:<13} {inc['outcome']:<8} "
+                f" {mark}{inc['generation']:>3}  {inc['cause']:<8} {inc['class']:<13} {inc['outcome']:<8} "
                 f"{','.join(map(str, inc['failed_ranks'])):<10} {inc['resumed_at_step']:>5} {inc['time_lost_s']:>7.2f} "
                 f"{inc['bytes_moved'] / 1e6:>8.1f}  {phases}"
             )
+            for rank, why in inc["fenced"].items():
+                lines.append(f"        fenced rank {rank}: {why}")
     return "\n".join(lines)
 
 

@@ -299,10 +299,13 @@ class StateServer:
         while True:
             bad: list[Chunk] = []
             _receive_frames(conn, views, bad)
+            if not bad:
+                # Recorded before the acknowledgement: once the pusher's gate opens, this
+                # rank reports the copy as held (a migration may ask the very next moment).
+                self._on_held(src, Captured(manifest, tensors))
             _send_msg(conn, json.dumps({"bad": bad}).encode())
             if not bad:
                 break
-        self._on_held(src, Captured(manifest, tensors))
 
 
 class _SourceConnection:

@@ -205,6 +205,7 @@ def test_a_stalled_rank_is_caught_by_the_hang_timeout(tmp_path: Path, reference:
     pids = run.active_pids()
     last = _check_success(run, reference, pids, {3}, "progress")
     assert last["failed_ranks"] == [3] and last["target_step"] == 5
+    assert last["fenced"] == {}, "the stalled rank is the fault, not a survivor the migration cost"
     # Fenced, it first wrote where it was stuck: the training thread in the chaos stall.
     assert "Current thread" in run.output() or "Thread 0x" in run.output(), run.output()[-3000:]
     assert 'in _chaos' in run.output(), run.output()[-3000:]

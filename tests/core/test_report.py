@@ -162,3 +162,32 @@ def test_cli_report(tmp_path, capsys):
     assert "success rate (qualifying migrations): 100% (1/1)" in capsys.readouterr().out
     cli.main(["report", "--run-dir", str(tmp_path), "--json"])
     assert json.loads(capsys.readouterr().out)["success_rate"] == 1.0
+
+
+def test_a_migration_that_fenced_a_survivor_is_listed_apart(tmp_path):
+    fenced = {"0": "n0-a0 did not report within 30 s; alive, last seen in phase 'train' at step 4"}
+    write_lines(
+        tmp_path,
+        [
+            job("job_start", "started", world_size=4, nnodes=1),
+            migration(1, "success", total=1.0, failed_ranks=[1]),
+            migration(2, "success", total=31.0, failed_ranks=[2, 0], fenced=fenced),
+            job("job_end", "finished", exit_code=0),
+        ],
+    )
+    rep = build_report(tmp_path)
+    assert rep.qualifying_succeeded == 2 and rep.succeeded_with_fencing == 1
+    assert [inc["fenced"] for inc in rep.incidents] == [{}, fenced]
+    text = format_report(rep)
+    assert "of which 1 fenced a process besides the failed rank(s)" in text
+    assert "fenced rank 0: n0-a0 did not report within 30 s" in text
+    marked = [line for line in text.splitlines() if line.startswith(" *")]
+    assert len(marked) == 1 and "success" in marked[0]
+
+
+def test_a_ledger_written_before_fenced_was_recorded_still_reads(tmp_path):
+    old = migration(1, "success", total=1.0)
+    del old["fenced"]
+    write_lines(tmp_path, [old])
+    rep = build_report(tmp_path)
+    assert rep.incidents[0]["fenced"] == {} and rep.succeeded_with_fencing == 0

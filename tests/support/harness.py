@@ -81,6 +81,15 @@ class JobRun:
     def output(self) -> str:
         return "\n".join(log.read_text(errors="replace") for log in self.logs if log.exists())
 
+    def explain(self, tail: int = 4000) -> str:
+        """For a failed assertion: the launcher's own lines (what the controller decided), then the log's tail.
+
+        A fenced rank's stack dump is long; the tail alone would hide the decisions behind it.
+        """
+        text = self.output()
+        narrative = [line for line in text.splitlines() if line.startswith("[torchpass node") or line.startswith("torchpass:")]
+        return "\n".join(narrative) + "\n--- tail ---\n" + text[-tail:]
+
     # ---- acting --------------------------------------------------------------
     def inject(self, fault: str, *, rank: int | None = None, worker: str | None = None) -> None:
         # The function behind `torchpass inject`, called in-process: a CLI subprocess
@@ -94,7 +103,7 @@ class JobRun:
                 p.wait(max(1.0, deadline - time.time()))
             except subprocess.TimeoutExpired:
                 self.kill()
-                raise AssertionError(f"job did not finish in {timeout} s:\n{self.output()[-4000:]}") from None
+                raise AssertionError(f"job did not finish in {timeout} s:\n{self.explain()}") from None
         return self.procs[0].returncode
 
     def kill(self) -> None:
@@ -234,7 +243,7 @@ def assert_migrated(
     """The semantics contract after a fault: clean exit, bitwise equal to ``reference``, survivors' PIDs kept,
     no stray files, a qualifying successful migration of at most ``replaced`` ranks in the ledger and in
     ``torchpass report``. Returns the last successful migration's ledger entry."""
-    assert run.wait() == 0, run.output()[-4000:]
+    assert run.wait() == 0, run.explain()
     results = run.results()
     assert_bitwise(results, reference)
     for rank, pid in pids_before.items():
@@ -244,7 +253,8 @@ def assert_migrated(
             assert results[rank]["pid"] == pid, f"survivor rank {rank} changed PID {pid} -> {results[rank]['pid']}"
     assert run.stray_files() == [], "the job wrote files besides its outputs (a checkpoint?)"
     done = [m for m in run.migrations() if m["outcome"] == "success"]
-    assert done, run.output()[-3000:]
+    assert done, run.explain()
+    assert not any(m.get("fenced") for m in done), f"one fault cost a survivor too: {[m['fenced'] for m in done]}"
     last = done[-1]
     assert last["cause"] == cause and last["classification"] == "qualifying", last
     assert set(map(int, last["replaced"])) <= replaced

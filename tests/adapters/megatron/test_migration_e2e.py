@@ -38,7 +38,7 @@ def _start(workdir: Path, layout: str, **kwargs: Any) -> JobRun:
 
 def _reference(tmp_path_factory: pytest.TempPathFactory, layout: str) -> dict[int, dict[str, Any]]:
     run = _start(tmp_path_factory.mktemp(f"reference-{layout}"), layout)
-    assert run.wait(timeout=400) == 0, run.output()[-4000:]
+    assert run.wait(timeout=400) == 0, run.explain()
     assert not run.migrations()
     return run.results()
 
@@ -65,7 +65,7 @@ def _model_parallel(at: str) -> dict[str, int]:
 def _check_success(
     run: JobRun, reference: dict[int, dict[str, Any]], pids_before: dict[int, int], replaced: int, cause: str
 ) -> dict[str, Any]:
-    assert run.wait(timeout=400) == 0, run.output()[-4000:]
+    assert run.wait(timeout=400) == 0, run.explain()
     results = run.results()
     assert_bitwise(results, reference)
     for rank, pid in pids_before.items():

@@ -44,7 +44,7 @@ def _reference_run(workdir: Path, layout: str, assets: Assets, hf_cache: Path) -
         return torchrun_titan(workdir, layout, assets, hf_cache)
     extra = ["--torchpass.no-enable"] if layout == "ddp" else []
     run = launch_titan(workdir, layout, assets, hf_cache, extra=extra)
-    assert run.wait(600) == 0, run.output()[-4000:]
+    assert run.wait(600) == 0, run.explain()
     assert not run.migrations()
     if layout == "ddp":
         assert "the job config sets [torchpass] enable = false: TorchTitan trains without live migration" in run.output()
@@ -73,7 +73,7 @@ def references(tmp_path_factory: pytest.TempPathFactory, assets: Assets, hf_cach
 
 
 def _check_migrated(run: JobRun, reference: dict, pids_before: dict[int, int], replaced: int, cause: str, layout: str) -> dict[str, Any]:
-    assert run.wait(600) == 0, run.output()[-4000:]
+    assert run.wait(600) == 0, run.explain()
     results = run.results()
     assert_bitwise(results, reference)
     for rank, pid in pids_before.items():

@@ -75,7 +75,7 @@ def _reference(root: Path, job: Job, assets: Assets, hf_cache: Path) -> Outcome:
         run = torchrun_titan(workdir, job.layout, assets, hf_cache, args=args)
     else:
         run = launch_titan(workdir, job.layout, assets, hf_cache, args=args)
-        assert run.wait(600) == 0, run.output()[-4000:]
+        assert run.wait(600) == 0, run.explain()
         assert not run.migrations()
     results = run.results()
     assert sorted(results) == [0, 1, 2, 3] and all(len(r["losses"]) == STEPS for r in results.values())
@@ -106,7 +106,7 @@ def _launch(
 def _check_migrated(
     run: JobRun, reference: Outcome, pids_before: dict[int, int], replaced: int, layout: str, max_steps_lost: int = 1
 ) -> dict[str, Any]:
-    assert run.wait(600) == 0, run.output()[-4000:]
+    assert run.wait(600) == 0, run.explain()
     results = run.results()
     assert_bitwise(results, reference.results)
     assert _checkpoints(run) == reference.checkpoints, "TorchTitan's checkpoints differ from the fault-free run's"
