@@ -9,19 +9,25 @@ minutes — and the survivor waiting on it never reports (measured: 3 of 28
 SIGKILL runs of the megatron-core TP 2 x DP 2 job under load, always a
 tensor-parallel collective in the forward pass).
 
-So a live collective never hands its gloo ``Work`` to the caller. The caller
-gets a ``Work`` over a future of ours that completes when gloo's does, or
-fails at once with an error naming
-:data:`~torchpass.core.failures.ABANDONED_MARKER` when the transport is
+So a live collective never hands its gloo ``Work`` to the caller; it hands a
+:class:`TrackedWork`, which ends with gloo's or raises an error naming
+:data:`~torchpass.core.failures.ABANDONED_MARKER` once the transport is
 abandoned. Steps:
 
-1. ``run(issue)`` issues the collective, registers a future and returns a
-   ``Work`` over it. gloo's
-   own future completes it (a callback in gloo's worker thread); for the
-   operations gloo gives no future (send, recv, reduce-scatter) one waiter
-   thread per transport waits on them in issue order.
-2. ``abandon(reason)`` fails every registered future that has not completed
-   and refuses new ones.
+1. ``PendingWork.run(issue)`` issues the collective and wraps its gloo work.
+2. ``TrackedWork.wait()`` waits on gloo's work in slices of
+   :data:`ABANDON_CHECK_S` (for the operations gloo gives a future, its
+   ``wait(timeout)`` gives up the wait, not the operation), so a collective
+   that completes costs what gloo's own wait costs, and an abandoned one
+   returns within a slice. The others (send, recv, reduce-scatter: their
+   timed-out wait closes every pair of the context) are waited on through
+   the future of step 3.
+3. ``TrackedWork.get_future()`` (DDP's reducer and comm hooks chain on it)
+   makes a future of ours on first use, fulfilled from gloo's future by a
+   callback, or, for the operations gloo gives no future (send, recv,
+   reduce-scatter), by one waiter thread per transport in issue order.
+4. ``PendingWork.abandon(reason)`` marks the transport abandoned, fails
+   every such future that has not completed, and refuses new collectives.
 
 Invariants: every future completes exactly once (the first of gloo's
 completion and the abandonment wins); no future is completed under the lock,
@@ -34,127 +40,161 @@ from __future__ import annotations
 
 import queue
 import threading
+from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
 from .failures import ABANDONED_MARKER
 
-__all__ = ["PendingWork", "TrackedWork"]
+__all__ = ["ABANDON_CHECK_S", "PendingWork", "TrackedWork"]
 
+ABANDON_CHECK_S = 0.05
+"""How often a wait on a pending collective looks for the abandonment: bounds how long a survivor stays
+blocked after its generation ended, at the cost of one C++ timeout every slice of a long wait."""
+
+_SLICE = timedelta(seconds=ABANDON_CHECK_S)
 _STOP = None
+
+_Waits = queue.SimpleQueue  # of (gloo work, future) pairs, or _STOP
+
+
+def _future_or_none(work: dist.Work | None) -> torch.futures.Future | None:
+    """gloo's future of ``work``; None for the operations gloo implements none for (send, recv, reduce-scatter)."""
+    if work is None:
+        return None
+    try:
+        return work.get_future()
+    except RuntimeError:
+        return None
 
 
 class TrackedWork(dist.Work):
-    """The ``Work`` a live collective returns: it ends with its future, raising the collective's error.
+    """The ``Work`` a live collective returns: gloo's, unless the transport was abandoned first.
 
-    c10d's own future-backed work (``_create_work_from_future``) returns from
-    ``wait()`` without raising when its future failed, which would let a caller
-    read a buffer an abandoned collective never filled. C++ callers reach
-    ``wait`` and ``get_future`` through c10d's ``PyWork`` trampoline (DDP's
-    reducer, functional collectives); the other methods serve Python callers.
+    A Python subclass, because c10d's future-backed work
+    (``_create_work_from_future``) returns from ``wait()`` without raising when
+    its future failed, which would let a caller read a buffer an abandoned
+    collective never filled. C++ callers reach ``wait`` and ``get_future``
+    through c10d's ``PyWork`` trampoline (DDP's reducer, functional
+    collectives); the other methods serve Python callers.
     """
 
-    def __init__(self, fut: torch.futures.Future):
+    def __init__(self, inner: dist.Work | None, pending: "PendingWork"):
         super().__init__()
-        self._fut = fut
+        self._inner = inner
+        self._pending = pending
+        self._gloo_future = _future_or_none(inner)
+        self._fut: torch.futures.Future | None = None
 
     def wait(self, timeout: Any = None) -> bool:
         del timeout  # gloo's own timeout bounds the collective; the abandonment bounds the generation
-        self._fut.wait()
-        return True
+        inner = self._inner
+        if inner is not None and self._gloo_future is None:
+            # send, recv, reduce-scatter: their wait(timeout) times out the whole context
+            # ("Application timeout caused pair closure"), so they are waited on via our future.
+            self.get_future().wait()
+            return True
+        while True:
+            if inner is None or self._pending.abandoned is not None and not inner.is_completed():
+                raise self._pending.error()
+            try:
+                inner.wait(_SLICE)
+                return True
+            except RuntimeError:
+                if inner.is_completed():
+                    raise  # the collective itself failed
+                # Only the slice ran out: look for the abandonment, then wait on.
 
     def get_future(self) -> torch.futures.Future:
+        if self._fut is None:
+            self._fut = self._pending.future_of(self._inner, self._gloo_future)
         return self._fut
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        return self._inner is None or self._inner.is_completed() or self._pending.abandoned is not None
 
     def is_success(self) -> bool:
-        if not self._fut.done():
-            return False
-        try:
-            self._fut.value()
-        except Exception:  # the failure itself is what the caller asked about
-            return False
-        return True
+        return self.exception() is None and self._inner is not None and self._inner.is_completed()
 
     def exception(self) -> BaseException | None:
-        if not self._fut.done():
+        if not self.is_completed():
             return None
         try:
-            self._fut.value()
+            self.wait()
         except Exception as exc:  # returned, as c10d's Work.exception() does
             return exc
         return None
 
     def result(self) -> Any:
-        return self._fut.wait()
+        self.wait()
+        assert self._inner is not None
+        return self._inner.result()
 
     def synchronize(self) -> None:
         """CPU collectives have no stream to synchronize with."""
 
 
 class PendingWork:
-    """The futures of one transport's collectives that have not completed yet."""
+    """One transport's collectives: issued through ``run``, failed together by ``abandon``."""
 
     def __init__(self, name: str):
         self._name = name
         self._lock = threading.Lock()
-        self._pending: set[torch.futures.Future] = set()
-        self._abandoned: str | None = None
-        self._waits: queue.SimpleQueue[tuple[dist.Work, torch.futures.Future] | None] | None = None
+        self._futures: set[torch.futures.Future] = set()
+        self.abandoned: str | None = None
+        """Why the transport was abandoned; None while it is live."""
+        self._waits: _Waits | None = None
 
-    def run(self, issue: Callable[[], dist.Work]) -> dist.Work:
-        """Issue a collective; returns a ``Work`` that completes with it, or fails once the transport is abandoned.
+    def run(self, issue: Callable[[], dist.Work]) -> TrackedWork:
+        """Issue a collective (nothing is issued on an abandoned transport: its sockets are gone)."""
+        if self.abandoned is not None:
+            return TrackedWork(None, self)
+        return TrackedWork(issue(), self)
 
-        Nothing is issued on an abandoned transport: its sockets are gone.
-        """
-        fut: torch.futures.Future = torch.futures.Future()
+    def abandon(self, reason: str) -> None:
+        """Fail every pending collective with ``reason`` (the first reason stays)."""
         with self._lock:
-            abandoned = self._abandoned
-        if abandoned is not None:
-            fut.set_exception(self._error(abandoned))
-            return TrackedWork(fut)
-        work = issue()
-        with self._lock:
-            abandoned = self._abandoned
-            if abandoned is None:
-                self._pending.add(fut)
-        if abandoned is not None:
-            fut.set_exception(self._error(abandoned))
-            return TrackedWork(fut)
-        try:
-            inner = work.get_future()
-        except RuntimeError:
-            # gloo implements no future for this operation: wait for it on a thread.
-            self._waiter().put((work, fut))
-        else:
-            inner.add_done_callback(lambda done: self._complete_from(fut, done))
-        return TrackedWork(fut)
-
-    def abandon(self, reason: str) -> int:
-        """Fail every pending collective with ``reason``; returns how many were pending."""
-        with self._lock:
-            if self._abandoned is not None:
-                return 0
-            self._abandoned = reason
-            pending, self._pending = self._pending, set()
+            if self.abandoned is not None:
+                return
+            self.abandoned = reason
+            futures, self._futures = self._futures, set()
             waits = self._waits
         if waits is not None:
             waits.put(_STOP)
-        error = self._error(reason)
-        for fut in pending:
+        error = self.error()
+        for fut in futures:
             fut.set_exception(error)
-        return len(pending)
 
-    # ---- completion ---------------------------------------------------------
+    def error(self) -> RuntimeError:
+        return RuntimeError(f"{ABANDONED_MARKER} on group {self._name!r}: {self.abandoned}")
+
+    # ---- futures ------------------------------------------------------------
+    def future_of(self, inner: dist.Work | None, gloo_future: torch.futures.Future | None) -> torch.futures.Future:
+        """A future that completes with ``inner`` (through ``gloo_future`` when gloo gives one), or fails once
+        the transport is abandoned."""
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            live = inner is not None and self.abandoned is None
+            if live:
+                self._futures.add(fut)
+        if not live:
+            fut.set_exception(self.error())
+            return fut
+        assert inner is not None
+        if gloo_future is None:
+            self._waiter().put((inner, fut))
+        else:
+            gloo_future.add_done_callback(lambda done: self._complete_from(fut, done))
+        return fut
+
     def _claim(self, fut: torch.futures.Future) -> bool:
         """Whether the caller completes ``fut`` (False: it was abandoned first)."""
         with self._lock:
-            if fut not in self._pending:
+            if fut not in self._futures:
                 return False
-            self._pending.discard(fut)
+            self._futures.discard(fut)
             return True
 
     def _complete_from(self, fut: torch.futures.Future, done: torch.futures.Future) -> None:
@@ -167,7 +207,7 @@ class PendingWork:
         if self._claim(fut):
             fut.set_result(value)
 
-    def _waiter(self) -> queue.SimpleQueue[tuple[dist.Work, torch.futures.Future] | None]:
+    def _waiter(self) -> _Waits:
         with self._lock:
             if self._waits is None:
                 self._waits = queue.SimpleQueue()
@@ -176,7 +216,7 @@ class PendingWork:
                 ).start()
             return self._waits
 
-    def _wait_loop(self, waits: queue.SimpleQueue[tuple[dist.Work, torch.futures.Future] | None]) -> None:
+    def _wait_loop(self, waits: _Waits) -> None:
         while (item := waits.get()) is not _STOP:
             work, fut = item
             try:
@@ -188,6 +228,3 @@ class PendingWork:
             if self._claim(fut):
                 # gloo's work had no future and implements no result(): there is no value to pass on.
                 fut.set_result([])
-
-    def _error(self, reason: str) -> RuntimeError:
-        return RuntimeError(f"{ABANDONED_MARKER} on group {self._name!r}: {reason}")

@@ -1,7 +1,7 @@
 """PendingWork: a live collective's Work completes with gloo's, or fails at once when its transport is released.
 
 The unit cases drive real gloo works of a one-rank group (and, for a collective
-whose peer never answers, a work whose future only the test completes). The two-process case
+whose peer never answers, a work that behaves as gloo's and only the test completes). The two-process case
 reproduces what made survivors go silent: a release that lands while a
 collective's message is in transfer, which gloo never signals.
 """
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from torchpass.core.failures import ABANDONED_MARKER, is_comm_error
-from torchpass.core.pending_work import PendingWork, TrackedWork
+from torchpass.core.pending_work import PendingWork
 from tests.support.harness import free_port
 
 
@@ -30,10 +30,27 @@ def gloo() -> ProcessGroupGloo:
     return ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
 
 
-def _never_completing() -> tuple[dist.Work, torch.futures.Future]:
-    """A work whose future only the test completes (gloo's, on a peer that never answers)."""
-    fut: torch.futures.Future = torch.futures.Future()
-    return TrackedWork(fut), fut
+class _PeerNeverAnswers(dist.Work):
+    """A collective gloo is still working on, as gloo's AsyncWork behaves: a future, and a wait(timeout)
+    that gives up the wait, not the operation. Only the test completes it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fut: torch.futures.Future = torch.futures.Future()
+
+    def get_future(self) -> torch.futures.Future:
+        return self.fut
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        done = threading.Event()
+        self.fut.add_done_callback(lambda _: done.set())
+        if not done.wait(timeout.total_seconds() if timeout else None):
+            raise RuntimeError("Operation timed out!")
+        self.fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.fut.done()
 
 
 def test_a_collective_completes_with_gloos_result(gloo):
@@ -58,35 +75,48 @@ def test_an_operation_without_a_gloo_future_completes_through_the_waiter(gloo):
 
 def test_a_gloo_error_reaches_the_waiter():
     pending = PendingWork("unit")
-    inner, fut = _never_completing()
+    inner = _PeerNeverAnswers()
     work = pending.run(lambda: inner)
-    fut.set_exception(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    chained = work.get_future()
+    inner.fut.set_exception(RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         work.wait()
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        chained.wait()
 
 
-def test_abandon_fails_a_pending_collective_at_once_and_ignores_its_late_completion():
+def test_abandon_fails_a_pending_collective_and_its_future_and_ignores_a_late_completion():
     pending = PendingWork("tp")
-    inner, fut = _never_completing()
+    inner = _PeerNeverAnswers()
     work = pending.run(lambda: inner)
-    assert pending.abandon("generation 3 ended") == 1
+    chained = work.get_future()  # as DDP's reducer chains on it
+    waiter = threading.Thread(target=lambda: pytest.raises(RuntimeError, work.wait))
+    waiter.start()  # blocked in the wait, as the training thread is
+    pending.abandon("generation 3 ended")
+    waiter.join(30)
+    assert not waiter.is_alive(), "the abandonment did not end a wait in progress"
     with pytest.raises(RuntimeError) as raised:
-        work.wait()  # without the abandonment this waits forever
+        work.wait()
     message = str(raised.value)
     assert ABANDONED_MARKER in message and "'tp'" in message and "generation 3 ended" in message
     assert is_comm_error(message), "the runtime must read an abandoned collective as a comm failure"
-    fut.set_result([])  # gloo finishing late changes nothing
-    assert pending.abandon("again") == 0
+    with pytest.raises(RuntimeError, match=ABANDONED_MARKER):
+        chained.wait()
+    inner.fut.set_result([])  # gloo finishing late changes nothing
+    pending.abandon("again")
+    assert "generation 3 ended" in str(pending.error())
 
 
 def test_nothing_is_issued_on_an_abandoned_transport():
     pending = PendingWork("dp")
     pending.abandon("generation 0 ended")
     issued = []
-    work = pending.run(lambda: issued.append(1) or _never_completing()[0])
+    work = pending.run(lambda: issued.append(1) or _PeerNeverAnswers())
     assert issued == []
     with pytest.raises(RuntimeError, match=ABANDONED_MARKER):
         work.wait()
+    with pytest.raises(RuntimeError, match=ABANDONED_MARKER):
+        work.get_future().wait()
 
 
 def test_an_operation_on_the_waiter_is_abandoned_too():
@@ -102,11 +132,8 @@ def test_an_operation_on_the_waiter_is_abandoned_too():
         def wait(self):
             gate.wait()
 
-        def result(self):
-            return []
-
     work = pending.run(_NoFuture)
-    assert pending.abandon("generation 1 ended") == 1
+    pending.abandon("generation 1 ended")
     with pytest.raises(RuntimeError, match=ABANDONED_MARKER):
         work.wait()
     gate.set_result(None)  # the waiter thread gets out and stops
