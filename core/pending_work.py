@@ -104,7 +104,10 @@ class TrackedWork(dist.Work):
                 return True
             except RuntimeError:
                 if inner.is_completed():
-                    raise  # the collective itself failed
+                    # Failed, or completed just after the slice ran out: a wait now gives the
+                    # collective's own outcome (returns, or raises gloo's error), never the slice's.
+                    inner.wait()
+                    return True
                 # Only the slice ran out: look for the abandonment, then wait on.
 
     def get_future(self) -> torch.futures.Future:

@@ -107,6 +107,20 @@ def test_abandon_fails_a_pending_collective_and_its_future_and_ignores_a_late_co
     assert "generation 3 ended" in str(pending.error())
 
 
+def test_a_collective_that_completes_as_a_slice_runs_out_is_a_success():
+    """gloo's wait(timeout) raised "Operation timed out!", and the collective completed right after."""
+
+    class _CompletesAsTheSliceEnds(_PeerNeverAnswers):
+        def wait(self, timeout: timedelta | None = None) -> bool:
+            if timeout is not None and not self.fut.done():
+                self.fut.set_result([])
+                raise RuntimeError("Operation timed out!")
+            return super().wait(timeout)
+
+    pending = PendingWork("unit")
+    assert pending.run(_CompletesAsTheSliceEnds).wait() is True
+
+
 def test_nothing_is_issued_on_an_abandoned_transport():
     pending = PendingWork("dp")
     pending.abandon("generation 0 ended")
