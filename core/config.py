@@ -147,6 +147,12 @@ class TorchPassConfig:
     "no spare left". Spares start with the job, and on a cold machine importing DeepSpeed or
     TorchTitan takes tens of seconds: a fault in that window should wait for them, not end the job."""
 
+    comm_failures_per_step: int = field(default=3, metadata={"check": (_positive, "an integer >= 1")})
+    """How many migrations in a row may resume at the same step with no process lost before the job
+    stops as a bug in the training script. A collective error that repeats deterministically (mismatched
+    shapes, a script's exception whose text mentions gloo) would otherwise re-plan forever; 3 leaves room
+    for a transient network error to recur once."""
+
     redundancy: str = field(default="auto", metadata={"choices": REDUNDANCY_MODES})
     """Where a lost rank's state comes from. ``replica``: only from data-parallel replicas
     (sharded state without a replica makes the event disqualifying). ``buddy``: keep an

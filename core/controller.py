@@ -139,6 +139,10 @@ class Controller:
         self.outcome: tuple[int, str] | None = None
         self.migration: _Migration | None = None
         self.sticky: dict[int, str] = {}
+        self._deferred_drains: dict[int, tuple[str, str]] = {}
+        """Rank -> (worker, what): drains asked for after the running migration was planned; they start when it ends."""
+        self._no_loss_repeats: tuple[int, int] | None = None
+        """(step, count): consecutive migrations that lost no process and resumed at that step."""
         self.nodes_lost: set[int] = set()
         self._last_progress = (0, time.time())
         self._last_progress_scan = 0.0
@@ -283,7 +287,7 @@ class Controller:
                 if self.migration is not None and self.migration.phase == "resuming":
                     # The migration's generation trained to the end (it may have had no step
                     # left to execute, e.g. after a fault in the last checkpoint save): it succeeded.
-                    self._close_resumed(self.migration)
+                    self._close_resumed(self.migration, follow_up=False)
                 self._finish(0, "training completed")
             return
         self.lost_wids.add(wid)
@@ -312,10 +316,24 @@ class Controller:
             what = f"rank {report.rank} asked to migrate ({report.detail.get('signal', 'operator')})"
         if not ranks:
             return
-        if self.migration is not None:
-            self.migration.draining |= ranks
+        m = self.migration
+        if m is not None and m.phase == "collecting":
+            m.draining |= ranks
+            return
+        if m is not None:
+            # Planned already: the drain follows once this migration ends (its plan cannot take it now).
+            for rank in ranks:
+                self._deferred_drains[rank] = (self.members.get(rank, ""), what)
+            self.say(f"{what} during the migration to generation {m.generation}: it follows once that one ends")
             return
         self.migration_start("planned", QUALIFYING, set(), ranks, what, report.t)
+
+    def _take_deferred_drains(self) -> tuple[set[int], str]:
+        """Ranks whose deferred drain still applies (the same process holds the rank), and what asked for it."""
+        ranks = {r for r, (wid, _) in self._deferred_drains.items() if self.members.get(r) == wid and wid not in self.lost_wids}
+        what = "; ".join(sorted({why for r, (_, why) in self._deferred_drains.items() if r in ranks}))
+        self._deferred_drains.clear()
+        return ranks, what
 
     # ---- running ---------------------------------------------------------------
     def _watch_running(self) -> None:
@@ -400,6 +418,7 @@ class Controller:
 
     def migration_start(self, cause: str, classification: str, failed: set[int], draining: set[int], message: str, t_fault: float) -> None:
         now = time.time()
+        draining = set(draining) | self._take_deferred_drains()[0]
         self.store.compare_set(Keys.end(self.generation), "", message[:500])
         self.migration = _Migration(
             generation=self.generation + 1,
@@ -524,6 +543,8 @@ class Controller:
             self._ledger_migration(m, "failed", DISQUALIFYING, result.message)
             self._stop(2, f"cannot migrate: {result.message}; restart the job from your last checkpoint", DISQUALIFYING, ledger=False)
             return
+        if self._repeats_without_loss(m, result.target_version + 1):
+            return
         m.plan = result
         m.members = {**self.members, **{int(r): w for r, w in result.joins.items()}}
         for rank_s, new in result.joins.items():
@@ -538,6 +559,29 @@ class Controller:
         moves = ", ".join(f"rank {r} -> {result.joins[r]}" for r in sorted(result.joins, key=int)) or "no process replaced"
         fetching = sorted(int(r) for r in result.ranks if result.rank_plan(int(r)).fetch)
         self.say(f"plan for generation {m.generation}: resume at step {result.target_version + 1}; {moves}; ranks {fetching} fetch state")
+
+    def _repeats_without_loss(self, m: _Migration, step: int) -> bool:
+        """Stop the job when collectives keep failing at ``step`` with every process alive (True: stopped).
+
+        Nobody lost and the same step again means the error comes with the step, not with a
+        process: a spare would repeat it, and re-planning would go on forever.
+        """
+        if m.cause != "comm" or m.failed or m.draining:
+            self._no_loss_repeats = None
+            return False
+        last = self._no_loss_repeats
+        count = last[1] + 1 if last is not None and last[0] == step else 1
+        self._no_loss_repeats = (step, count)
+        if count <= self.config.comm_failures_per_step:
+            return False
+        message = (
+            f"step {step} failed {count} times in a row with every process alive (last: {m.message}); an error that "
+            "repeats at the same step looks like a bug in the training script (mismatched collective shapes, an "
+            "exception raised inside the step), not a failure a spare can fix"
+        )
+        self._ledger_migration(m, "failed", DISQUALIFYING, message)
+        self._stop(3, message, DISQUALIFYING, ledger=False)
+        return True
 
     def _await_starting_spares(self, m: _Migration, why: str) -> bool:
         """Whether to plan again later because spares that are still starting may be ready soon.
@@ -619,7 +663,7 @@ class Controller:
             t_fault=m.t_fault,
             t_detect=m.t_detect,
             failed=failed,
-            draining=set(m.draining),
+            draining=set(m.draining) | self._take_deferred_drains()[0],
             deadline=time.time() + self.config.report_timeout_s,
             message=f"{m.message}; then {why}",
             attempts=m.attempts + 1,
@@ -639,8 +683,11 @@ class Controller:
         self._close_resumed(m)
         self._last_progress = (0, time.time())
 
-    def _close_resumed(self, m: _Migration) -> None:
-        """Record a resumed migration as a success, with the done reports of the members that sent one."""
+    def _close_resumed(self, m: _Migration, follow_up: bool = True) -> None:
+        """Record a resumed migration as a success, with the done reports of the members that sent one.
+
+        With ``follow_up``, drains asked for while it ran start now (not when training just completed).
+        """
         keys = [Keys.done(m.generation, r) for r in sorted(m.members)]
         if present(self.store, m.generation, "done", keys):
             done = dict(zip(sorted(m.members), gather(self.store, keys, dict)))
@@ -648,6 +695,9 @@ class Controller:
             done = {r: d for r, k in zip(sorted(m.members), keys) if (d := try_get(self.store, k, dict)) is not None}
         self._ledger_migration(m, "success", m.classification, m.message, done)
         self.migration = None
+        ranks, what = self._take_deferred_drains()
+        if ranks and follow_up:
+            self.migration_start("planned", QUALIFYING, set(), ranks, what, time.time())
 
     def _ledger_migration(
         self, m: _Migration, outcome: str, classification: str, message: str, done: dict[int, dict[str, Any]] | None = None

@@ -148,6 +148,36 @@ def test_a_fault_while_the_only_spare_is_still_starting_waits_for_it(tmp_path: P
     assert "spare(s) still starting" in run.output(), run.output()[-3000:]
 
 
+def test_an_error_that_repeats_at_the_same_step_stops_the_job_as_a_script_bug(tmp_path: Path) -> None:
+    """An exception that reads like a gloo failure, raised every time rank 1 runs step 5, with every process alive."""
+    run = launch(tmp_path, JOB, [*ARGS, "--bug-at", "1:5"])
+    assert run.wait() == 3, run.explain()
+    out = run.output()
+    assert "step 5 failed 4 times in a row with every process alive" in out, run.explain()
+    assert "looks like a bug in the training script" in out and "mismatched sizes" in out, run.explain()
+    migrations = run.migrations()
+    # Each attempt resumes at step 5, which fails again before the attempt can close.
+    assert [m["outcome"] for m in migrations] == ["superseded"] * 3 + ["failed"], migrations
+    assert migrations[-1]["classification"] == "disqualifying", migrations[-1]
+    assert all(m["cause"] == "comm" and m["failed_ranks"] == [] and m["replaced"] == {} for m in migrations), migrations
+    assert run.stray_files() == []
+
+
+def test_a_drain_asked_for_during_a_migration_follows_it(tmp_path: Path, reference: dict) -> None:
+    """SIGTERM to a survivor while a spare is joining: after that migration the survivor hands over too."""
+    run = launch(tmp_path, JOB, [*ARGS, "--spare-setup-sleep", "6"], spares=2)
+    run.wait_step(1, 3)
+    pids = run.active_pids()
+    run.inject("kill", rank=1)
+    run.wait_for_line("plan for generation 1", timeout=60)
+    run.inject("term", rank=2)
+    last = assert_migrated(run, reference, pids, {1, 2}, "planned", max_steps_lost=0)
+    assert last["failed_ranks"] == [2], last
+    assert "it follows once that one ends" in run.output(), run.explain()
+    causes = [(m["cause"], m["outcome"]) for m in run.migrations()]
+    assert causes == [("kill", "success"), ("planned", "success")], causes
+
+
 def test_no_spare_left_is_a_clean_disqualified_exit(tmp_path: Path) -> None:
     run = launch(tmp_path, JOB, ARGS, spares=0)
     run.wait_step(1, 5)

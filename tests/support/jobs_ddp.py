@@ -32,12 +32,16 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.05)
     p.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer: sharded optimizer state (buddy copies)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="tiny values make DDP's rebuilt layout differ")
+    p.add_argument("--spare-setup-sleep", type=float, default=0.0, help="a spare's set-up takes this much longer")
+    p.add_argument("--bug-at", default="", help="RANK:STEP: that rank raises a script error mentioning gloo at that step, every time")
     args = p.parse_args()
     work = Path(args.workdir)
     (work / "progress").mkdir(parents=True, exist_ok=True)
     (work / "out").mkdir(parents=True, exist_ok=True)
     (work / "losses").mkdir(parents=True, exist_ok=True)
 
+    if os.environ.get("TORCHPASS_ROLE") == "spare":
+        time.sleep(args.spare_setup_sleep)  # a big model's construction: the migration stays in its joining phase
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -56,9 +60,13 @@ def main() -> None:
     progress = work / "progress" / f"rank{rank}"
     curve = open(work / "losses" / f"rank{rank}.jsonl", "a", buffering=1)
     run = torchpass.Run(model=model, optimizer=opt, scheduler=sched, data=loader)
+    bug_rank, bug_step = map(int, args.bug_at.split(":")) if args.bug_at else (-1, -1)
     for step in run.steps(args.steps):
         with step:
             progress.write_text(str(step.number))
+            if rank == bug_rank and step.number == bug_step:
+                # A script bug whose message looks like a transport failure: no spare can fix it.
+                raise RuntimeError("gloo: the script passed tensors of mismatched sizes to all_reduce (test bug)")
             xb, yb = step.batch()
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             # Recorded before the optimizer step: a process killed after committing
