@@ -60,6 +60,14 @@ _STOP = None
 _Waits = queue.SimpleQueue  # of (gloo work, future) pairs, or _STOP
 
 
+def _outcome(trigger: torch.futures.Future) -> Any:
+    """The collective's value, or its error raised (see ``PendingWork.future_of``)."""
+    ok, payload = trigger.value()
+    if not ok:
+        raise payload
+    return payload
+
+
 def _future_or_none(work: dist.Work | None) -> torch.futures.Future | None:
     """gloo's future of ``work``; None for the operations gloo implements none for (send, recv, reduce-scatter)."""
     if work is None:
@@ -167,48 +175,51 @@ class PendingWork:
         if waits is not None:
             waits.put(_STOP)
         error = self.error()
-        for fut in futures:
-            fut.set_exception(error)
+        for trigger in futures:
+            trigger.set_result((False, error))
 
     def error(self) -> RuntimeError:
         return RuntimeError(f"{ABANDONED_MARKER} on group {self._name!r}: {self.abandoned}")
 
     # ---- futures ------------------------------------------------------------
+    # A future handed out is ``trigger.then(_outcome)``, never one completed with set_exception():
+    # that one holds the exception as its *value* for C++, and DDP's reducer, reading tensors out
+    # of it, crashes the process (measured: SIGSEGV in backward). An exception raised inside a
+    # then() callback is a real error to C++ and to Python alike.
     def future_of(self, inner: dist.Work | None, gloo_future: torch.futures.Future | None) -> torch.futures.Future:
         """A future that completes with ``inner`` (through ``gloo_future`` when gloo gives one), or fails once
         the transport is abandoned."""
-        fut: torch.futures.Future = torch.futures.Future()
+        trigger: torch.futures.Future = torch.futures.Future()
+        fut = trigger.then(_outcome)
         with self._lock:
             live = inner is not None and self.abandoned is None
             if live:
-                self._futures.add(fut)
+                self._futures.add(trigger)
         if not live:
-            fut.set_exception(self.error())
+            trigger.set_result((False, self.error()))
             return fut
         assert inner is not None
         if gloo_future is None:
-            self._waiter().put((inner, fut))
+            self._waiter().put((inner, trigger))
         else:
-            gloo_future.add_done_callback(lambda done: self._complete_from(fut, done))
+            gloo_future.add_done_callback(lambda done: self._complete_from(trigger, done))
         return fut
 
-    def _claim(self, fut: torch.futures.Future) -> bool:
-        """Whether the caller completes ``fut`` (False: it was abandoned first)."""
+    def _settle(self, trigger: torch.futures.Future, ok: bool, payload: Any) -> None:
+        """Complete ``trigger`` unless the abandonment got there first."""
         with self._lock:
-            if fut not in self._futures:
-                return False
-            self._futures.discard(fut)
-            return True
+            if trigger not in self._futures:
+                return
+            self._futures.discard(trigger)
+        trigger.set_result((ok, payload))
 
-    def _complete_from(self, fut: torch.futures.Future, done: torch.futures.Future) -> None:
+    def _complete_from(self, trigger: torch.futures.Future, done: torch.futures.Future) -> None:
         try:
             value = done.value()
         except Exception as exc:  # gloo's error is the collective's outcome: hand it to the waiter
-            if self._claim(fut):
-                fut.set_exception(exc)
+            self._settle(trigger, False, exc)
             return
-        if self._claim(fut):
-            fut.set_result(value)
+        self._settle(trigger, True, value)
 
     def _waiter(self) -> _Waits:
         with self._lock:
@@ -221,13 +232,11 @@ class PendingWork:
 
     def _wait_loop(self, waits: _Waits) -> None:
         while (item := waits.get()) is not _STOP:
-            work, fut = item
+            work, trigger = item
             try:
                 work.wait()
             except Exception as exc:  # the collective's outcome, handed to whoever waits on it
-                if self._claim(fut):
-                    fut.set_exception(exc)
+                self._settle(trigger, False, exc)
                 continue
-            if self._claim(fut):
-                # gloo's work had no future and implements no result(): there is no value to pass on.
-                fut.set_result([])
+            # gloo's work had no future and implements no result(): there is no value to pass on.
+            self._settle(trigger, True, [])
