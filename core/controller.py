@@ -101,6 +101,8 @@ class _Migration:
     """When the controller last looked for silent members while collecting statuses."""
     awaiting_spares: float = 0.0
     """When planning first found no ready spare while some were still starting (0: it has not)."""
+    silent: set[int] = field(default_factory=set)
+    """Ranks fenced during this migration for going silent (never themselves the fault others are fenced beside)."""
     fenced: dict[int, str] = field(default_factory=dict)
     """Rank -> why the controller fenced it during this migration although the fault was another rank's."""
 
@@ -503,8 +505,10 @@ class Controller:
         """
         self.say(f"rank {rank} ({wid}) {why}: fencing it")
         m = self.migration
-        if m is not None and (m.failed | m.draining) - {rank}:
-            m.fenced[rank] = f"{wid} {why}"
+        if m is not None:
+            m.silent.add(rank)
+            if (m.failed | m.draining) - m.silent:
+                m.fenced[rank] = f"{wid} {why}"
         self.lost_wids.add(wid)
         self._set_role(wid, "lost")
         self._fence_cb(wid, self.node_of.get(wid, -1))

@@ -57,7 +57,7 @@ blocked after its generation ended, at the cost of one C++ timeout every slice o
 _SLICE = timedelta(seconds=ABANDON_CHECK_S)
 _STOP = None
 
-_Waits = queue.SimpleQueue  # of (gloo work, future) pairs, or _STOP
+_Waits = queue.SimpleQueue  # of (gloo work, trigger future) pairs, or _STOP
 
 
 def _outcome(trigger: torch.futures.Future) -> Any:

@@ -115,3 +115,25 @@ def test_a_new_push_supersedes_the_failure_of_the_one_before(silent_holder: tupl
         assert holder.held_versions() == {0: [4]}
     finally:
         server.close()
+
+
+def test_a_copy_is_listed_as_held_before_its_push_is_acknowledged() -> None:
+    """Once the pusher's gate opens, the holder reports the copy: a migration may ask at once."""
+    import time
+
+    from torchpass.core.transfer import StateServer
+
+    holder = _keeper()
+
+    def slow_on_held(src, captured) -> None:
+        time.sleep(0.5)  # the holder thread is descheduled right after the last chunk arrived
+        holder.on_held(src, captured)
+
+    server = StateServer(host="127.0.0.1", hold_into=holder.hold_into, on_held=slow_on_held)
+    try:
+        keeper = _keeper()
+        keeper.start(_state(9), server.address)
+        keeper.wait_pushed()
+        assert holder.held_versions() == {0: [9]}
+    finally:
+        server.close()

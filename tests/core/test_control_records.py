@@ -75,3 +75,33 @@ def test_the_controller_records_a_bad_record_and_carries_on(tmp_path: Path) -> N
     bad = [e for e in events if e["type"] == "bad_record"]
     assert len(bad) == 3, events
     assert sum("ignoring record" in line for line in said) == 3
+
+
+def _controller_in_migration(tmp_path: Path, failed: set[int], fenced: list[str]):
+    from torchpass.core.controller import _Migration
+
+    store = _store()
+    spec = JobSpec(world_size=4, nnodes=1, nproc_per_node=4, spares_per_node=1, run_id="t", command=["train.py"])
+    controller = Controller(store, spec, tmp_path, TorchPassConfig(), lambda line: None, lambda wid, node: fenced.append(wid), "127.0.0.1:0")
+    controller.members = {r: f"n0-a{r}" for r in range(4)}
+    controller.migration = _Migration(generation=1, cause="kill" if failed else "progress", classification="qualifying", t_fault=0.0, t_detect=0.0, failed=set(failed))
+    return controller
+
+
+def test_a_survivor_fenced_beside_a_lost_rank_is_recorded_with_the_migration(tmp_path: Path) -> None:
+    fenced: list[str] = []
+    controller = _controller_in_migration(tmp_path, {1}, fenced)
+    controller._lose(0, "n0-a0", "did not report within 30 s")
+    assert fenced == ["n0-a0"]
+    assert controller.migration.fenced == {0: "n0-a0 did not report within 30 s"}
+
+
+def test_silent_ranks_that_are_the_fault_are_not_counted_as_survivors(tmp_path: Path) -> None:
+    """A stall found by the hang timeout: nobody failed before; the silent ranks are the fault, two of them too."""
+    fenced: list[str] = []
+    controller = _controller_in_migration(tmp_path, set(), fenced)
+    for rank in (2, 3):
+        controller._lose(rank, f"n0-a{rank}", "did not report within 30 s")
+        controller.migration.failed.add(rank)  # as _collect does after fencing
+    assert fenced == ["n0-a2", "n0-a3"]
+    assert controller.migration.fenced == {}

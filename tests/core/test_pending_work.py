@@ -90,11 +90,20 @@ def test_abandon_fails_a_pending_collective_and_its_future_and_ignores_a_late_co
     inner = _PeerNeverAnswers()
     work = pending.run(lambda: inner)
     chained = work.get_future()  # as DDP's reducer chains on it
-    waiter = threading.Thread(target=lambda: pytest.raises(RuntimeError, work.wait))
+    raised: list[BaseException] = []
+
+    def training_thread() -> None:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=training_thread)
     waiter.start()  # blocked in the wait, as the training thread is
     pending.abandon("generation 3 ended")
     waiter.join(30)
     assert not waiter.is_alive(), "the abandonment did not end a wait in progress"
+    assert len(raised) == 1 and ABANDONED_MARKER in str(raised[0]), raised
     with pytest.raises(RuntimeError) as raised:
         work.wait()
     message = str(raised.value)
