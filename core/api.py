@@ -19,7 +19,9 @@ What each line buys:
 
 * ``Run`` names the state a spare must receive (model, optimizer, scheduler and
   any other ``state_dict``/``load_state_dict`` object passed in ``extra``) and
-  wraps ``data`` so batches can be replayed and fast-forwarded;
+  wraps ``data`` so batches can be replayed and fast-forwarded; the model's
+  persistent buffers (BatchNorm statistics) are per-rank state
+  (:mod:`torchpass.core.buffers`), the rest of the model is replicated;
 * ``run.steps`` owns the step counter: after a migration it yields the step to
   re-execute, and on a spare it starts where the job stands;
 * ``with step`` delimits the step: a collective failing inside it starts the
@@ -44,6 +46,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from . import ddp as ddp_support
 from . import runtime
+from .buffers import ModuleBuffers
 from .data import ReplayableData
 from .loop import Step, steps
 from .topology import Layout, StateClass, ddp_layout
@@ -119,6 +122,7 @@ class Run:
         self.extra = dict(extra or {})
         self._layout = layout
         self._ddps = ddp_support.find_ddp(model)
+        self._buffers = ModuleBuffers(model)
         if rt is not None:
             for d in self._ddps:
                 ddp_support.check_supported(d)
@@ -143,8 +147,10 @@ class Run:
         return layout
 
     def state_components(self) -> tuple[dict[str, Any], dict[str, str]]:
+        buffers = self._buffers.names()
         components: dict[str, Any] = {
-            "model": self.model.state_dict(),
+            # Parameters only: the buffers are per rank and travel as small state.
+            "model": {k: v for k, v in self.model.state_dict().items() if k not in buffers},
             "optimizer": [_local(opt).state_dict() for opt in self.optimizers],
             "ddp": [ddp_support.bucket_layout(d) for d in self._ddps],
         }
@@ -165,7 +171,10 @@ class Run:
 
     def load_components(self, components: Mapping[str, Any], *, joining: bool) -> None:
         if "model" in components:
-            self.model.load_state_dict(components["model"])
+            # The live buffers complete the received parameters: the load stays strict for them.
+            live = self.model.state_dict()
+            buffers = {k: live[k] for k in self._buffers.names() if k in live}
+            self.model.load_state_dict({**buffers, **components["model"]})
         if "optimizer" in components:
             for opt, state in zip(self.optimizers, components["optimizer"]):
                 _local(opt).load_state_dict(state)
@@ -182,6 +191,14 @@ class Run:
         if "ddp" in components:
             for d, layout in zip(self._ddps, components["ddp"]):
                 ddp_support.adopt_layout(d, layout)
+
+    # ---- SmallStateProvider: persistent buffers ---------------------------------
+    def small_state(self) -> dict[str, torch.Tensor] | None:
+        """Copies of this rank's persistent module buffers (BatchNorm statistics): each rank's forward updates its own."""
+        return self._buffers.copy() if self._buffers else None
+
+    def load_small_state(self, state: Mapping[str, torch.Tensor]) -> None:
+        self._buffers.load(state)
 
     def discard_step(self) -> None:
         self.model.zero_grad(set_to_none=True)

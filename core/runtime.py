@@ -192,7 +192,7 @@ class Runtime:
         self.drain_requested = False
         self._optimizers_total = 0
         self._optimizers_done = 0
-        self._step_rng: dict[str, Any] | None = None
+        self._step_small: dict[str, Any] | None = None
         self._mirror: _Mirror | None = None
         self._plan: Plan | None = None
         self._pending_done: dict[str, Any] | None = None
@@ -393,10 +393,12 @@ class Runtime:
         self.in_step = True
         self.clean = True
         self._optimizers_done = 0
-        self._step_rng = capture_rng()
+        rng = capture_rng()
         if self.data is not None:
             self.data.mark_step(step)
-        self._mirror_small("start", self.version, self._step_rng)
+        # Kept to restore a survivor that re-executes this step (RNG, provider state).
+        self._step_small = self._small_state(rng)
+        self._mirror_small("start", self.version, self._step_small)
         self._chaos("step_start")
 
     def step_end(self, step: int) -> None:
@@ -443,6 +445,13 @@ class Runtime:
         rng = {**rng, "provider": extra} if extra is not None else rng
         return {"rng": rng, "data": self.data.snapshot() if self.data is not None else None}
 
+    def _restore_small(self, rng: dict[str, Any]) -> None:
+        """Restore RNG streams and the provider's small state from a small-state record's ``rng`` part."""
+        assert self.provider is not None
+        restore_rng(rng)
+        if "provider" in rng:
+            self.provider.load_small_state(rng["provider"])  # type: ignore[attr-defined]
+
     def backward_started(self) -> None:
         """A backward pass of this step began: the step's RNG draws and batches are final.
 
@@ -455,7 +464,7 @@ class Runtime:
         """
         if self.in_step and self._mirror is not None:
             self._chaos("backward")
-            self._mirror_small("backward", self.step, capture_rng(), durable=True)
+            self._mirror_small("backward", self.step, self._small_state(capture_rng()), durable=True)
             self._push_gate = self._buddy is not None
 
     def _before_collective(self) -> None:
@@ -500,9 +509,9 @@ class Runtime:
             self._buddy_target = (self.generation, target)  # type: ignore[assignment]
         return self._buddy_target[1]
 
-    def _mirror_small(self, kind: str, version: int, rng: dict[str, Any], durable: bool = False) -> None:
+    def _mirror_small(self, kind: str, version: int, small: dict[str, Any], durable: bool = False) -> None:
         assert self._mirror is not None
-        self._mirror.submit(version, {"kind": kind, **self._small_state(rng)}, durable=durable)
+        self._mirror.submit(version, {"kind": kind, **small}, durable=durable)
 
     # ---- failure classification -----------------------------------------
     def is_comm_failure(self, exc: BaseException) -> bool:
@@ -530,9 +539,10 @@ class Runtime:
         self._push_gate = False
         self.provider.discard_step()
         if aborted and not dirty and self.version == interrupted_step - 1:
-            # Back to exactly the state at the start of the interrupted step.
-            assert self._step_rng is not None
-            restore_rng(self._step_rng)
+            # Back to exactly the state at the start of the interrupted step: its
+            # forward already drew random numbers and updated buffers.
+            assert self._step_small is not None
+            self._restore_small(self._step_small["rng"])
             if self.data is not None:
                 start = self.data.step_start(interrupted_step)
                 assert start is not None
@@ -718,9 +728,7 @@ class Runtime:
                     self.data.fast_forward(small["data"])
                 else:
                     self.data.seek(small["data"]["position"])
-            restore_rng(small["rng"])
-            if "provider" in small["rng"]:
-                self.provider.load_small_state(small["rng"]["provider"])  # type: ignore[attr-defined]
+            self._restore_small(small["rng"])
         self.version = target
 
     # ---- joining --------------------------------------------------------

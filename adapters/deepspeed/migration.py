@@ -54,11 +54,12 @@ import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 
+from torchpass.core.buffers import ModuleBuffers
 from torchpass.core.runtime import Runtime
 from torchpass.core.topology import Layout
 
 from .layout import check_groups, engine_layout
-from .state import COUNTERS, copy_into, engine_state
+from .state import COUNTERS, engine_state
 from .step_reset import align_for_reexecution, clear_interrupted_step, forward_stack_depth
 
 __all__ = ["EngineMigration", "OUTSIDE_STEP"]
@@ -92,7 +93,7 @@ class EngineMigration:
         self._model_step_done = False
         self.loader_loop: Any = None
         """The :class:`~.dataloader_loop.EngineLoaderLoop` owning an unchanged loop's steps, if installed."""
-        self._buffers = _persistent_buffers(engine.module)
+        self._buffers = ModuleBuffers(engine.module)
         self.state.inner.register_step_pre_hook(self._on_inner_step)
         self._take_model_step = engine._take_model_step
         engine._take_model_step = self._guarded_model_step
@@ -167,22 +168,8 @@ class EngineMigration:
     # ---- SmallStateProvider: persistent buffers -----------------------------------
     def small_state(self) -> dict[str, torch.Tensor] | None:
         """This rank's persistent module buffers (BatchNorm statistics, say): DeepSpeed never syncs them across ranks."""
-        return dict(self._buffers) if self._buffers else None
+        return self._buffers.copy() if self._buffers else None
 
     def load_small_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        for name, live in self._buffers.items():
-            copy_into(live, state[name])
+        self._buffers.load(state)
 
-
-def _persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Buffers a ``state_dict()`` would save; non-persistent ones are rebuilt by the model's constructor.
-
-    Read once: modules update their buffers in place (a model that rebinds a
-    buffer attribute during training is not supported).
-    """
-    found: dict[str, torch.Tensor] = {}
-    for prefix, sub in module.named_modules():
-        for name, buffer in sub._buffers.items():
-            if buffer is not None and name not in sub._non_persistent_buffers_set:
-                found[f"{prefix}.{name}" if prefix else name] = buffer
-    return found

@@ -268,3 +268,44 @@ def test_kill_while_ddp_rebuilds_its_buckets(tmp_path: Path, tmp_path_factory: p
     pids = run.active_pids()
     last = _check_success(run, ref.results(), pids, {1}, "kill")
     assert last["target_step"] == 2
+
+
+BATCHNORM_ARGS = [*ARGS, "--batchnorm"]
+
+
+@pytest.fixture(scope="module")
+def reference_batchnorm(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run = launch(tmp_path_factory.mktemp("reference-batchnorm"), JOB, BATCHNORM_ARGS)
+    assert run.wait() == 0, run.output()[-3000:]
+    return run.results()
+
+
+def test_batchnorm_statistics_are_per_rank_state(tmp_path: Path, reference_batchnorm: dict) -> None:
+    """BatchNorm's running statistics differ per rank (each forward updates them from its own batch).
+
+    The spare must get the lost rank's own statistics, not a replica's, and the
+    final digests (buffers included) must match the fault-free run's.
+    """
+    rng = fault_rng("batchnorm-kill")
+    rank, step = rng.randrange(4), rng.randint(3, STEPS - 4)
+    run = launch(tmp_path, JOB, BATCHNORM_ARGS)
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject("kill", rank=rank)
+    _check_success(run, reference_batchnorm, pids, {rank}, "kill")
+
+
+def test_batchnorm_survivors_reexecute_a_step_without_updating_statistics_twice(tmp_path: Path, tmp_path_factory) -> None:
+    """Rank 2 dies as its backward of step 5 begins: every survivor's forward has updated its statistics.
+
+    ``broadcast_buffers=False``: no rank's buffers are ever overwritten by rank
+    0's, so a survivor that kept its interrupted forward's update would end with
+    different statistics, and so would a spare given anyone's but rank 2's.
+    """
+    args = [*BATCHNORM_ARGS, "--no-broadcast-buffers"]
+    ref = launch(tmp_path_factory.mktemp("reference-batchnorm-local"), JOB, args)
+    assert ref.wait() == 0, ref.output()[-3000:]
+    run = launch(tmp_path, JOB, args, extra=["--chaos", "kill_after_backward"])
+    run.wait_step(0, 2)
+    pids = run.active_pids()
+    _check_success(run, ref.results(), pids, {2}, "kill", max_steps_lost=0)

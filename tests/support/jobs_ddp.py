@@ -1,7 +1,9 @@
 """The DDP reference job of the end-to-end tests (plain PyTorch, CPU, gloo).
 
 Dropout, AdamW with weight decay, a warm-up LR schedule and a shuffled
-DistributedSampler: every piece of state a migration must carry over. Each rank
+DistributedSampler: every piece of state a migration must carry over; with
+``--batchnorm``, a BatchNorm layer whose running statistics each rank updates
+from its own batches (per-rank buffers, in the digest). Each rank
 writes ``progress/rank<r>`` (the step it is executing) for the harness to time
 faults, appends each finished step's loss to ``losses/rank<r>.jsonl`` (so the
 curve of a process that is killed survives it), and at the end writes
@@ -33,6 +35,8 @@ def main() -> None:
     p.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer: sharded optimizer state (buddy copies)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="tiny values make DDP's rebuilt layout differ")
     p.add_argument("--spare-setup-sleep", type=float, default=0.0, help="a spare's set-up takes this much longer")
+    p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer (per-rank running statistics)")
+    p.add_argument("--no-broadcast-buffers", action="store_true", help="DDP(broadcast_buffers=False): ranks' buffers never sync")
     p.add_argument("--bug-at", default="", help="RANK:STEP: that rank raises a script error mentioning gloo at that step, every time")
     args = p.parse_args()
     work = Path(args.workdir)
@@ -50,8 +54,9 @@ def main() -> None:
     y = torch.sin(x.sum(1, keepdim=True))
     data = TensorDataset(x, y)
     loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, world, rank, shuffle=True, seed=3))
-    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1))
-    model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb)
+    norm = [torch.nn.BatchNorm1d(64)] if args.batchnorm else []
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), *norm, torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1))
+    model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb, broadcast_buffers=not args.no_broadcast_buffers)
     if args.zero:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3, weight_decay=0.01)
     else:
