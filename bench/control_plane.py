@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from torchpass.core.config import TorchPassConfig
-from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Report, Status, put
+from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Ready, Report, Status, put
 from torchpass.core.controller import Controller, JobSpec
 from torchpass.core.rng import capture_rng
 from torchpass.core.topology import ddp_layout, layout_to_dict
@@ -130,7 +130,7 @@ class SimulatedJob:
             self.mail.post(Report("spare_ready", f"n{n}-s0", n))
         now = time.time()
         _multi_set(self.store, {Keys.heartbeat(w): _json(Heartbeat(now, VERSION, 0, "train")) for w in self.wid.values()})
-        _multi_set(self.store, {f"{Keys.node_mail(n)}/hb": str(now).encode() for n in range(self.nodes)})
+        _multi_set(self.store, {Keys.node_beat(n): b"1" for n in range(self.nodes)})
         info = {n: pickle.dumps({"pid": 800000 + n, "host": f"node{n}"}) for n in range(self.nodes)}
         _multi_set(self.store, {f"{Keys.node_mail(n)}/info": raw for n, raw in info.items()})
         # Data-parallel replicas seeded alike share their RNG streams: one record serves every rank.
@@ -212,7 +212,8 @@ def measure(size: int, port: int) -> dict[str, Any]:
         job.report_statuses(0, failed)
         plan = _drive(controller, counting, lambda: workers.check([Keys.plan(1)]), publishes=Keys.plan(1))
         plan_bytes = len(workers.get(Keys.plan(1)))
-        job.report(1, "ready", lambda r: b"ready")
+        joins = json.loads(workers.get(Keys.plan(1)))["joins"]
+        job.report(1, "ready", lambda r: _json(Ready(joins.get(str(r), job.wid[r]), 1)))
         go = _drive(controller, counting, lambda: workers.check([Keys.go(1)]), publishes=Keys.go(1))
         if workers.get(Keys.go(1)) != b"go":
             raise RuntimeError(f"generation 1 was aborted: {workers.get(Keys.go(1)).decode()}")

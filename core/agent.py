@@ -17,8 +17,14 @@ Each ``tick``:
   reading every worker's key every tick would be 40 store round trips a second
   per worker for nothing;
 * executes the controller's fence orders from the node mailbox;
-* refreshes the node's own heartbeat, by which the controller notices a whole
-  node disappearing.
+* refreshes the node's own heartbeat (a counter, ``core/liveness.py``), by which
+  the controller notices a whole node disappearing, and looks for the
+  controller's verdict that this node is lost: a node declared lost (its agent
+  was stopped or cut off long enough) has had its ranks given to spares, so the
+  agent kills every worker it still has and exits.
+
+The agent ends its workers and itself when the store has not answered for
+``store_timeout_s`` (node 0 is gone), so no process of a dead job lingers.
 """
 
 from __future__ import annotations
@@ -40,8 +46,12 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 from .config import TorchPassConfig, config_from_mapping
 from .control import Heartbeat, Keys, Mailbox, Report, put_pickle, try_get
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error
+from .liveness import STORE_LOST_EXIT, BeatWatch, StoreWatchdog
 
 __all__ = ["Agent", "NodeSpec"]
+
+NODE_LOST_EXIT = 76
+"""Exit code of a launcher whose node the controller declared lost (its ranks were given to spares)."""
 
 FENCE_DUMP_WAIT_S = 0.3
 """How long a fence waits for the worker's stack dump before it kills it."""
@@ -89,7 +99,18 @@ class Agent:
         self.log_dir = spec.run_dir / "logs"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._last_beat = 0.0
+        self._beat_seq = 0
         self._last_heartbeat_scan = 0.0
+        self._beats = BeatWatch()
+        self._watchdog = StoreWatchdog(
+            config.store_timeout_s,
+            lambda silent: self.abandon(
+                f"the store at {spec.store_host}:{spec.store_port} has not answered for {silent:.0f} s "
+                f"(store_timeout_s {config.store_timeout_s:g}): node 0 is gone",
+                STORE_LOST_EXIT,
+            ),
+            name="torchpass-agent-store-watchdog",
+        )
         put_pickle(store, f"{Keys.node_mail(spec.node)}/info", {"pid": os.getpid(), "host": os.uname().nodename})
 
     # ---- process start --------------------------------------------------------------
@@ -104,6 +125,7 @@ class Agent:
             "TORCHPASS_WORLD_SIZE": str(world),
             "TORCHPASS_STORE": f"{s.store_host}:{s.store_port}",
             "TORCHPASS_RUN_DIR": str(s.run_dir),
+            "TORCHPASS_AGENT_PID": str(os.getpid()),
             "TORCHPASS_CONFIG": json.dumps(self.config.to_dict()),
             # What torchrun gives its workers, so unmodified scripts run.
             "LOCAL_RANK": str(local_rank),
@@ -169,7 +191,12 @@ class Agent:
     def tick(self) -> None:
         now = time.time()
         if now - self._last_beat >= self.config.heartbeat_interval_s / 2:
-            self.store.set(f"{Keys.node_mail(self.spec.node)}/hb", str(now))
+            lost = self.store.get(Keys.node_lost(self.spec.node)) if self.store.check([Keys.node_lost(self.spec.node)]) else None
+            if lost is not None:
+                self.abandon(f"the controller declared node {self.spec.node} lost ({lost.decode()}); its ranks run elsewhere", NODE_LOST_EXIT)
+            self._beat_seq += 1
+            self.store.set(Keys.node_beat(self.spec.node), str(self._beat_seq))
+            self._watchdog.alive()
             self._last_beat = now
         for order in self.mail.drain(dict, on_bad=self._on_bad_order):
             if order.get("fence") in self.workers:
@@ -192,7 +219,7 @@ class Agent:
             if now - w.started > self.config.spare_join_timeout_s:
                 self.fence(w.wid, f"never heartbeated within {self.config.spare_join_timeout_s:.0f} s of starting")
             return
-        age = now - hb.t
+        age = self._beats.age(w.wid, hb.seq)
         if age > self.config.heartbeat_timeout_s and hb.phase != "done":
             w.last_heartbeat = hb.t
             self.fence(w.wid, f"stopped heartbeating {age:.1f} s ago (hung)")
@@ -235,6 +262,18 @@ class Agent:
         kind = "hung" if w.last_heartbeat else "exit"
         # A hang started when the heartbeats stopped, not when the fence noticed it.
         self.events.post(Report(kind, w.wid, self.spec.node, w.rank, t=w.last_heartbeat or time.time(), detail=detail))
+
+    def abandon(self, why: str, code: int) -> None:
+        """Kill every worker of this node and exit the process with ``code``: the job cannot go on here.
+
+        Called from the store watchdog's thread too, while the main thread is
+        blocked in a store request that will not return.
+        """
+        self.say(f"{why}; killing this node's {len(self.workers)} worker(s) and exiting")
+        self.stop_all()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     def alive(self) -> list[str]:
         return list(self.workers)

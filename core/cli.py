@@ -1,4 +1,4 @@
-"""The ``torchpass`` command: ``launch``, ``status``, ``report``, ``inject`` and ``demo``."""
+"""The ``torchpass`` command: ``launch``, ``status``, ``report``, ``inject``, ``migrate``, ``chaos`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -28,6 +28,15 @@ def _parser() -> argparse.ArgumentParser:
     mig = sub.add_parser("migrate", help="ask for a planned migration of a rank (it hands its state to a spare and leaves)")
     mig.add_argument("--run-dir", required=True)
     mig.add_argument("--rank", type=int, required=True)
+    chaos = sub.add_parser(
+        "chaos",
+        help="a campaign of real faults against your job, each run compared bit for bit with a fault-free run",
+        description="Runs the job once without faults, then once per fault, and prints a table. Everything after "
+        "'--' is what you would pass to `torchpass launch` (minus --nnodes/--node-rank/--master-*/--run-dir).",
+    )
+    chaos.add_argument("--campaign", default="quick", help="configs/chaos/campaign/NAME.yaml, or a YAML path (default: quick)")
+    chaos.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a campaign field (repeatable)")
+    chaos.add_argument("launch_args", nargs=argparse.REMAINDER, help="-- then the launch arguments and the script")
     demo = sub.add_parser("demo", help="a live migration end to end, checked bitwise against a fault-free run")
     demo.add_argument("--run-dir", default="torchpass_demo")
     demo.add_argument("--fault", default="kill", choices=("kill", "hang", "term"))
@@ -62,10 +71,31 @@ def main(argv: list[str] | None = None) -> None:
 
         request_migration(args.run_dir, args.rank)
         print(f"asked the controller to migrate rank {args.rank}")
+    elif args.command == "chaos":
+        sys.exit(_chaos(args))
     elif args.command == "demo":
         from .demo import run_demo
 
         sys.exit(run_demo(args.run_dir, args.fault))
+
+
+def _chaos(args: argparse.Namespace) -> int:
+    from .campaign import RESOLVED, format_summary, load_campaign, run_campaign
+
+    launch_args = args.launch_args[1:] if args.launch_args[:1] == ["--"] else args.launch_args
+    if not launch_args:
+        raise SystemExit("torchpass chaos: give the job after '--', e.g. -- --nproc-per-node 4 --spares-per-node 2 train.py")
+    try:
+        config = load_campaign(args.campaign, args.set)
+    except ValueError as exc:
+        raise SystemExit(f"torchpass chaos: {exc}") from None
+    try:
+        runs = run_campaign(config, launch_args, say=lambda line: print(line, flush=True))
+    except RuntimeError as exc:
+        raise SystemExit(f"torchpass chaos: {exc}") from None
+    print(format_summary(runs))
+    # Disqualified runs are clean refusals with a reason; hangs and wrong states fail the campaign.
+    return 0 if all(r.verdict in (RESOLVED, "disqualified") for r in runs) else 1
 
 
 if __name__ == "__main__":

@@ -71,6 +71,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .pending_work import PendingWork
+from .rendezvous_store import InterruptibleStore
 
 __all__ = [
     "BACKEND_NAME",
@@ -545,16 +546,31 @@ def release_generation(generation: int) -> int:
     A transport of a newer generation is left alone: the main thread may already
     have rebuilt by the time a slow monitor gets here.
     """
+    global _released_through
+    with _released_lock:
+        _released_through = max(_released_through, generation)
     return sum(g.release() for g in groups() if g.generation <= generation)
 
 
+_released_lock = threading.Lock()
+_released_through = -1
+"""The newest generation released in this process: a rebuild of it gives up waiting for peers."""
+
+
 def rebuild_all(base_store: dist.Store, generation: int, connect_timeout: timedelta) -> list[str]:
-    """Give every group a transport for ``generation``; returns the group names in build order."""
+    """Give every group a transport for ``generation``; returns the group names in build order.
+
+    The rendezvous goes through an :class:`~.rendezvous_store.InterruptibleStore`: a member
+    that dies before it publishes its address ends the generation, and that ends the waits.
+    """
     names = []
     for group in groups():
         group.release()
         prefix = dist.PrefixStore(f"torchpass/pg/{generation}/{group.group_name}/", base_store)
-        group.connect(prefix, generation, connect_timeout)
+        store = InterruptibleStore(
+            prefix, lambda: _released_through >= generation, f"building group {group.group_name!r} of generation {generation}", connect_timeout
+        )
+        group.connect(store, generation, connect_timeout)
         names.append(group.group_name)
     return names
 

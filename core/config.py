@@ -69,6 +69,12 @@ class TelemetryConfig:
     """Record every step's wall time in the ledger (one line per step). Off by default: it
     is only needed for overhead studies and would grow the ledger with the run length."""
 
+    final_digest: bool = False
+    """Each rank writes a digest of its whole final state (every state class, its RNG streams,
+    data position and buffers) to ``<run_dir>/final/rank<r>.json`` as it finishes, so two
+    runs can be compared bit for bit (``torchpass chaos`` does). Off by default: it costs one
+    state capture and a pass over its bytes at exit."""
+
 
 CHAOS_POINTS = ("step_start", "backward", "commit", "after_commit")
 CHAOS_ACTIONS = ("kill", "stall")
@@ -133,6 +139,13 @@ class TorchPassConfig:
     """After a failure, how long the controller waits for survivors to report their state
     before treating a silent one as failed too (a second fault during the migration)."""
 
+    store_timeout_s: float = field(default=30.0, metadata={"check": (_positive, "a number > 0")})
+    """How long a worker or launcher goes without completing a store operation before it
+    concludes node 0 (store and controller) is gone and exits, a launcher killing its workers
+    first. Bounds the time from node 0's loss to every process of the job gone. Must exceed
+    ``heartbeat_timeout_s`` (a stall that long gets a node declared lost first); 30 s rides out
+    a store busy with a large migration without leaving a dead job's processes holding devices."""
+
     rebuild_timeout_s: float = field(default=120.0, metadata={"check": (_positive, "a number > 0")})
     """Bound on building one generation's communicators. A member that dies mid-rebuild is
     detected by this timeout, so keep it well under the job's process-group timeout."""
@@ -190,6 +203,12 @@ class TorchPassConfig:
             raise ConfigError(
                 f"{source}: heartbeat_timeout_s: got {self.heartbeat_timeout_s!r}; expected a number greater than "
                 f"heartbeat_interval_s ({self.heartbeat_interval_s!r}), or every worker would look hung"
+            )
+        if self.store_timeout_s <= self.heartbeat_timeout_s:
+            raise ConfigError(
+                f"{source}: store_timeout_s: got {self.store_timeout_s!r}; expected a number greater than "
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s!r}), or a store hiccup would end processes "
+                "before any node is declared lost"
             )
         return self
 

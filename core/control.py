@@ -15,7 +15,7 @@ key                         written by           read by
 ``g/<g>/end``               controller, worker   workers' monitor threads (ends gen g)
 ``g/<g>/status/<rank>``     survivors            controller (version, clean, address)
 ``g/<g>/plan``              controller           members of generation g
-``g/<g>/ready/<rank>``      members              controller
+``g/<g>/ready/<rank>``      members              controller (``Ready``, the writer's wid)
 ``g/<g>/go``                controller           members ("go" or "abort: ...")
 ``g/<g>/done/<rank>``       members              controller (timings after resuming)
 ``g/<g>/<what>_count``      members              controller (one read instead of one per member)
@@ -23,6 +23,8 @@ key                         written by           read by
 ``mirror/<rank>/<slot>``    each rank            planner (RNG/data position, one slot per version)
 ``rankinfo/<rank>``         each rank            ranks pairing buddies (node, transfer address)
 ``node/<n>/mail/...``       controller           agent n (fence a worker)
+``node/<n>/beat``           agent n              controller (node liveness, a counter)
+``node/<n>/lost``           controller           agent n (declared lost: fence all, exit)
 ``shutdown``                controller           agents, spares
 ==========================  ===================  =====================================
 
@@ -50,6 +52,7 @@ __all__ = [
     "Report",
     "Status",
     "Plan",
+    "Ready",
     "RankPlan",
     "Mailbox",
     "put",
@@ -125,6 +128,16 @@ class Keys:
     @staticmethod
     def node_mail(node: int) -> str:
         return f"{PREFIX}node/{node}/mail"
+
+    @staticmethod
+    def node_beat(node: int) -> str:
+        """Agent n's heartbeat: a counter (``core/liveness.py``: never a time another host compares)."""
+        return f"{PREFIX}node/{node}/beat"
+
+    @staticmethod
+    def node_lost(node: int) -> str:
+        """Set by the controller when it declares node n lost: agent n must kill its workers and exit."""
+        return f"{PREFIX}node/{node}/lost"
 
 
 def _to_json(record: Any) -> bytes:
@@ -222,10 +235,13 @@ class WorkerRecord:
 @dataclass
 class Heartbeat:
     t: float
+    """The writer's wall clock: for reports only. Liveness is judged by ``seq`` changing (``core/liveness.py``)."""
     step: int
     generation: int
     phase: str
     """``setup``, ``spare``, ``train``, ``recover`` or ``done``."""
+    seq: int = 0
+    """Counts the writer's beats."""
 
 
 @dataclass
@@ -261,6 +277,17 @@ class Status:
     holds: dict[str, list[int]] = field(default_factory=dict)
     """Rank (as a string) -> versions of that rank's buddy copies held here."""
     t: float = field(default_factory=time.time)
+
+
+@dataclass
+class Ready:
+    """A member's answer to a plan: ready, or why it is not."""
+
+    wid: str
+    """The writer: the controller ignores an answer from any process but the rank's member in the plan."""
+    generation: int
+    failure: str = ""
+    """Empty when ready; otherwise why the member could not reach the plan's target (a failed transfer)."""
 
 
 @dataclass

@@ -48,6 +48,7 @@ from .control import (
     Keys,
     Mailbox,
     Plan,
+    Ready,
     Report,
     Status,
     WorkerRecord,
@@ -62,6 +63,7 @@ from .control import (
 )
 from .rng import rng_digest
 from .ledger import DISQUALIFYING, QUALIFYING, JobEvent, Ledger, MigrationEvent
+from .liveness import BeatWatch
 from .planner import Disqualified, MirrorInfo, PlanInput, SpareInfo, plan_migration
 from .topology import Layout, layout_from_dict
 
@@ -149,6 +151,8 @@ class Controller:
         self._last_progress = (0, time.time())
         self._last_progress_scan = 0.0
         self._last_node_scan = 0.0
+        self._beats = BeatWatch()
+        """Ages of agents' and workers' heartbeats on this process's clock (never another host's)."""
         self._workers_dirty = False
         self._node_info: dict[int, Any] = {}
         put(store, Keys.gen, 0)
@@ -348,10 +352,15 @@ class Controller:
             self._check_progress(now)
 
     def _node_silent(self, node: int) -> bool:
-        key = f"{Keys.node_mail(node)}/hb"
+        """Whether node ``node``'s agent has stopped beating too (it beats twice per heartbeat interval).
+
+        Asked about a member found silent, to name the cause: the node's own loss is
+        declared by ``_check_nodes`` after the full timeout, which may come a scan later.
+        """
+        key = Keys.node_beat(node)
         if node == 0 or not self.store.check([key]):
             return False
-        return time.time() - float(self.store.get(key)) > self.config.heartbeat_timeout_s
+        return self._beats.age(("node", node), self.store.get(key)) > 2 * self.config.heartbeat_interval_s
 
     def _check_nodes(self) -> None:
         """A node whose agent stopped heartbeating is lost with every process on it."""
@@ -359,10 +368,13 @@ class Controller:
         if now - self._last_node_scan < self.config.heartbeat_interval_s:
             return
         self._last_node_scan = now
-        for node, seen in self._node_heartbeats([n for n in range(1, self.spec.nnodes) if n not in self.nodes_lost]).items():
-            if now - seen <= self.config.heartbeat_timeout_s:
+        for node, age in self._node_heartbeats([n for n in range(1, self.spec.nnodes) if n not in self.nodes_lost]).items():
+            if age <= self.config.heartbeat_timeout_s:
                 continue
             self.nodes_lost.add(node)
+            # Its agent may only be stopped or cut off: when it runs again it must kill
+            # what is left of its workers (their ranks are given away) and exit.
+            self.store.set(Keys.node_lost(node), f"declared lost after {age:.1f} s without a heartbeat")
             for w in [w for w, n in self.spares.items() if n == node]:
                 del self.spares[w]
                 self.lost_wids.add(w)
@@ -373,20 +385,22 @@ class Controller:
                 self._set_role(self.members[r], "lost")
             self._write_workers_json()
             if lost:
-                self._failure(lost, "node", f"node {node}'s launcher stopped heartbeating; ranks {sorted(lost)} lost", seen)
+                self._failure(lost, "node", f"node {node}'s launcher stopped heartbeating; ranks {sorted(lost)} lost", now - age)
 
     def _node_heartbeats(self, nodes: list[int]) -> dict[int, float]:
-        """Last heartbeat time of each node's agent (nodes whose agent has not beaten yet are left out).
+        """Seconds each node's agent has gone without a new beat (nodes whose agent has not beaten yet are left out).
 
         One read for all nodes once every agent has started: a scan per heartbeat
         interval must not cost two store round trips per node in a large job.
         """
-        keys = [f"{Keys.node_mail(n)}/hb" for n in nodes]
+        keys = [Keys.node_beat(n) for n in nodes]
         if not keys:
             return {}
         if check_all(self.store, keys):
-            return {n: float(raw) for n, raw in zip(nodes, multi_get(self.store, keys))}
-        return {n: float(self.store.get(k)) for n, k in zip(nodes, keys) if self.store.check([k])}
+            beats = dict(zip(nodes, multi_get(self.store, keys)))
+        else:
+            beats = {n: self.store.get(k) for n, k in zip(nodes, keys) if self.store.check([k])}
+        return {n: self._beats.age(("node", n), beat) for n, beat in beats.items()}
 
     def _check_progress(self, now: float) -> None:
         if now - self._last_progress_scan < max(0.5, self.config.hang_timeout_s / 20):
@@ -395,7 +409,11 @@ class Controller:
         keys = [Keys.heartbeat(w) for w in self.members.values()]
         if not check_all(self.store, keys):
             return
-        top = max((hb.step for hb in gather(self.store, keys, Heartbeat)), default=0)
+        beats = gather(self.store, keys, Heartbeat)
+        for wid, hb in zip(self.members.values(), beats):
+            # A baseline for the heartbeat ages a migration needs at once (_heartbeat_ages).
+            self._beats.age(wid, hb.seq)
+        top = max((hb.step for hb in beats), default=0)
         if top != self._last_progress[0]:
             self._last_progress = (top, now)
         elif now - self._last_progress[1] > self.config.hang_timeout_s:
@@ -450,13 +468,13 @@ class Controller:
             self._resuming(m)
 
     def _heartbeat_ages(self, ranks: list[int]) -> dict[int, float]:
-        """Seconds since each member's last heartbeat (infinite if it never beat), in one read when all exist."""
+        """Seconds each member's heartbeat has gone unchanged (infinite if it never beat), in one read when all exist."""
         keys = [Keys.heartbeat(self.members[r]) for r in ranks]
-        now = time.time()
         if check_all(self.store, keys):
-            return {r: now - hb.t for r, hb in zip(ranks, gather(self.store, keys, Heartbeat))}
-        beats = {r: try_get(self.store, k, Heartbeat) for r, k in zip(ranks, keys)}
-        return {r: float("inf") if hb is None else now - hb.t for r, hb in beats.items()}
+            beats: dict[int, Heartbeat | None] = dict(zip(ranks, gather(self.store, keys, Heartbeat)))
+        else:
+            beats = {r: try_get(self.store, k, Heartbeat) for r, k in zip(ranks, keys)}
+        return {r: float("inf") if hb is None else self._beats.age(self.members[r], hb.seq) for r, hb in beats.items()}
 
     def _collect(self, m: _Migration) -> None:
         ended = m.generation - 1
@@ -492,6 +510,14 @@ class Controller:
             if not check_all(self.store, keys):
                 return
         statuses = dict(zip(expected, gather(self.store, keys, Status)))
+        stale = [r for r, st in statuses.items() if st.wid != self.members[r]]
+        if stale:
+            for r in stale:
+                self._on_bad_record(
+                    Keys.status(ended, r), f"written by {statuses[r].wid}, not by rank {r}'s member {self.members[r]} (a stale process)"
+                )
+                self.store.delete_key(Keys.status(ended, r))
+            return
         for rank, st in statuses.items():
             if st.draining:
                 m.draining.add(rank)
@@ -627,13 +653,22 @@ class Controller:
                     self._lose(rank, m.members[rank], "did not become ready in time")
                 self._abort_joining(f"rank(s) {missing} did not become ready in time")
             return
-        failures = [a.decode() for a in multi_get(self.store, keys) if a.startswith(b"failed")]
+        answers = dict(zip(sorted(m.members), gather(self.store, keys, Ready)))
+        stale = [r for r, a in answers.items() if a.wid != m.members[r] or a.generation != m.generation]
+        if stale:
+            for r in stale:
+                self._on_bad_record(
+                    Keys.ready(m.generation, r), f"written by {answers[r].wid}, not by rank {r}'s member {m.members[r]} (a stale process)"
+                )
+                self.store.delete_key(Keys.ready(m.generation, r))
+            return
+        failures = [a.failure for a in answers.values() if a.failure]
         if failures:
             if m.attempts >= self.config.transfer_retries + 2:
                 self._ledger_migration(m, "failed", m.classification, failures[0])
                 self._stop(2, f"cannot migrate: {failures[0]} (after {m.attempts} attempts)", m.classification, ledger=False)
             else:
-                self._abort_joining(failures[0][len("failed: ") :])
+                self._abort_joining(failures[0])
             return
         self.store.set(Keys.go(m.generation), "go")
         m.t_go = time.time()

@@ -29,6 +29,7 @@ from .agent import Agent, NodeSpec
 from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario
 from .control import Keys, Mailbox, Report
 from .controller import Controller, JobSpec
+from .liveness import STORE_LOST_EXIT
 
 __all__ = ["add_launch_arguments", "launch", "LaunchError"]
 
@@ -225,13 +226,19 @@ def _launch(args: argparse.Namespace) -> int:
     draining = False
     last_config_check = 0.0
     while True:
-        agent.tick()
         if controller is not None:
+            agent.tick()
             controller.tick()
             if controller.outcome is not None:
                 break
-        elif store.check([Keys.shutdown]):
-            break
+        else:
+            try:
+                agent.tick()
+                if store.check([Keys.shutdown]):
+                    break
+            except dist.DistError as exc:
+                # Node 0's store went away (a stopped or unreachable one is the agent's watchdog's case).
+                agent.abandon(f"lost the store at {host}:{port}: {exc}", STORE_LOST_EXIT)
         if stop["signals"] == 1 and stop.get("last") == signal.SIGTERM and not draining:
             draining = True
             say("SIGTERM: draining this node's ranks to spares elsewhere (a second signal stops the job)")

@@ -49,6 +49,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,10 +59,10 @@ from . import comms
 from .adapter import SMALL_CLASS, StateProvider
 from .config import TorchPassConfig, config_from_env
 from .control import (
-    Heartbeat,
     Keys,
     Mailbox,
     Plan,
+    Ready,
     Report,
     Status,
     WorkerRecord,
@@ -75,13 +76,17 @@ from .control import (
 )
 from .data import ReplayableData
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error
-from .manifest import Captured, capture, rebuild
+from .liveness import STORE_LOST_EXIT, Heartbeater, StoreWatchdog
+from .manifest import Captured, capture, fingerprint, rebuild
 from .rng import capture_rng, restore_rng
 from .topology import Placement, assign_buddies, layout_to_dict
 from .buddy import BuddyKeeper, GateReleased
 from .transfer import ReceivePool, StateServer, TransferError, fetch_state
 
-__all__ = ["Runtime", "current", "CommFailure"]
+__all__ = ["Runtime", "current", "CommFailure", "FINAL_DIGESTS"]
+
+FINAL_DIGESTS = "final"
+"""The run-dir folder of the ranks' final state digests (``telemetry.final_digest``)."""
 
 class CommFailure(RuntimeError):
     """Raised by the runtime itself when a generation ended while the rank was between collectives."""
@@ -96,7 +101,10 @@ class _Timings:
         self.values[name] = self.values.get(name, 0.0) + seconds
 
 
-_FOREVER = timedelta(days=365)
+_UNTIL_ANSWERED = timedelta(days=365)
+"""The deadline of a wait for a key the controller always writes (a plan, ``go``, an assignment, a
+generation's end). It is bounded all the same: a dead store fails the wait, and a stopped or unreachable
+one ends the process through the ``StoreWatchdog`` within ``store_timeout_s``."""
 
 
 def _now() -> float:
@@ -210,7 +218,15 @@ class Runtime:
         comms.exclude_ports(peer=self.store_port, local=self.server.address[1])
         self._attached = False
         self._register()
-        threading.Thread(target=self._heartbeat_loop, name="torchpass-heartbeat", daemon=True).start()
+        self._watchdog = StoreWatchdog(self.config.store_timeout_s, self._exit_store_lost)
+        Heartbeater(
+            host,
+            self.store_port,
+            self.wid,
+            self.config.heartbeat_interval_s,
+            lambda: (self.step, self.generation, self.phase),
+            self._watchdog,
+        )
 
     # ---- registration and liveness ------------------------------------
     def _register(self) -> None:
@@ -219,26 +235,22 @@ class Runtime:
         )
         put(self.store, Keys.worker(self.wid), record)
 
-    def _heartbeat_loop(self) -> None:
-        key = Keys.heartbeat(self.wid)
-        store = connect(self.store_host, self.store_port)
-        while True:
-            try:
-                put(store, key, Heartbeat(_now(), self.step, self.generation, self.phase))
-            except dist.DistError as exc:
-                # Without heartbeats this rank will be fenced; say why, and keep trying.
-                print(f"[torchpass] {self.wid}: heartbeat to the store failed: {exc}; reconnecting", file=sys.stderr, flush=True)
-                time.sleep(self.config.heartbeat_interval_s)
-                store = connect(self.store_host, self.store_port)
-                continue
-            time.sleep(self.config.heartbeat_interval_s)
+    def _exit_store_lost(self, silent_s: float) -> None:
+        print(
+            f"[torchpass] {self.wid} (rank {self.rank}): the store at {self.store_host}:{self.store_port} has not "
+            f"answered for {silent_s:.0f} s (store_timeout_s {self.config.store_timeout_s:g}): node 0 is gone; exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(STORE_LOST_EXIT)
 
     def _monitor_loop(self) -> None:
         store = connect(self.store_host, self.store_port)
         while True:
             g = self.generation
             key = Keys.end(g)
-            store.wait([key], _FOREVER)
+            store.wait([key], _UNTIL_ANSWERED)
             reason = store.get(key).decode()
             if self.generation == g:
                 self.ending_reason = reason
@@ -298,7 +310,7 @@ class Runtime:
     def _prefault_pool(self) -> None:
         """Fault in receive memory for one rank's state while idle (see ReceivePool)."""
         store = connect(self.store_host, self.store_port)
-        store.wait([Keys.state_bytes], _FOREVER)
+        store.wait([Keys.state_bytes], _UNTIL_ANSWERED)
         expected = int(store.get(Keys.state_bytes))
         if expected and self._pool is None:
             self._pool = ReceivePool(int(expected * 1.05))
@@ -500,7 +512,7 @@ class Runtime:
         assert self.rank is not None and self._buddy is not None
         if self._buddy_target is None or self._buddy_target[0] != self.generation:
             keys = [Keys.rankinfo(r) for r in range(self.world_size)]
-            self.store.wait(keys, _FOREVER)
+            self.store.wait(keys, _UNTIL_ANSWERED)
             infos = [json.loads(self.store.get(k)) for k in keys]
             buddies = assign_buddies(Placement({r: info["node"] for r, info in enumerate(infos)}))
             mine = buddies[self.rank]
@@ -564,6 +576,11 @@ class Runtime:
             self.server.publish(self._capture())
             put_counted(self.store, self.generation, "status", Keys.status(self.generation, self.rank), status)
             plan = self._wait_plan(self.generation + 1)
+            replaced_by = plan.joins.get(str(self.rank))
+            if replaced_by is not None and self.wid not in plan.retire:
+                # Declared lost (stopped, or its node cut off) while the job went on: its rank
+                # belongs to another process now, which must be the only one to join as it.
+                self._exit_replaced(replaced_by)
             if self.wid in plan.retire:
                 self._retire(plan)
                 self._set_generation(plan.generation)
@@ -592,7 +609,7 @@ class Runtime:
             print(f"[torchpass] {failure}", file=sys.stderr, flush=True)
         self._timings.add("transfer", _now() - t0)
         self._publish_rankinfo()
-        answer = f"failed: {failure}" if failure else "ready"
+        answer = Ready(self.wid, plan.generation, failure)
         put_counted(self.store, plan.generation, "ready", Keys.ready(plan.generation, self.rank), answer)
         go = self._wait_go(plan.generation)
         self._set_generation(plan.generation)
@@ -623,7 +640,7 @@ class Runtime:
     def _wait_key(self, key: str) -> bytes:
         # The controller always answers (a plan, "go", "abort", or a shutdown notice), so a
         # blocking server-side wait needs no polling and no timeout of its own.
-        self.store.wait([key], _FOREVER)
+        self.store.wait([key], _UNTIL_ANSWERED)
         return self.store.get(key)
 
     def _wait_plan(self, g: int) -> Plan:
@@ -631,6 +648,16 @@ class Runtime:
         if "shutdown" in data:
             self._exit_on_shutdown(data["shutdown"])
         return Plan(**data)
+
+    def _exit_replaced(self, by: str) -> None:
+        print(
+            f"[torchpass] rank {self.rank} ({self.wid}): the controller gave this rank to {by} (this process was "
+            "declared lost); exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.stdout.flush()
+        os._exit(STORE_LOST_EXIT)
 
     def _exit_on_shutdown(self, reason: str) -> None:
         print(f"[torchpass] rank {self.rank} ({self.wid}): job stopped by the controller: {reason}", file=sys.stderr, flush=True)
@@ -760,6 +787,18 @@ class Runtime:
         self.phase = "done"
         if self._buddy is not None:
             self._buddy.finishing = True
+        if self.config.telemetry.final_digest and self.provider is not None and self.rank is not None:
+            self._write_final_digest()
+
+    def _write_final_digest(self) -> None:
+        """``<run_dir>/final/rank<r>.json``: this rank's final state digest, version and PID (see TelemetryConfig)."""
+        assert self.rank is not None
+        folder = Path(os.environ["TORCHPASS_RUN_DIR"]) / FINAL_DIGESTS
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"rank": self.rank, "version": self.version, "pid": os.getpid(), "digest": fingerprint(self._capture())}
+        tmp = folder / f"rank{self.rank}.json.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, folder / f"rank{self.rank}.json")
 
 
 def _my_host() -> str:

@@ -2,6 +2,7 @@
 
 ``torchpass launch`` starts every worker, active or spare, through this module:
 
+0. die with its launcher (``liveness.die_with_parent``): no orphan outlives it;
 1. install rebuildable process groups (:func:`torchpass.core.comms.install`) so
    the training script's ``init_process_group("gloo")`` creates them;
 2. start the runtime: register with the controller, start heartbeats;
@@ -32,7 +33,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from . import comms, integrations, runtime
+from . import comms, integrations, liveness, runtime
 
 __all__ = ["main"]
 
@@ -100,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv:
         raise SystemExit("usage: python -m torchpass.core.worker [-m module | script] [args...]")
     target, args = argv[0], argv[1:]
+    liveness.die_with_parent(int(os.environ["TORCHPASS_AGENT_PID"]))
     comms.install()
     rt = runtime.init_from_env()
     rt.install_signal_handlers()

@@ -105,3 +105,25 @@ def test_silent_ranks_that_are_the_fault_are_not_counted_as_survivors(tmp_path: 
         controller.migration.failed.add(rank)  # as _collect does after fencing
     assert fenced == ["n0-a2", "n0-a3"]
     assert controller.migration.fenced == {}
+
+
+def test_a_status_written_by_a_stale_process_is_ignored(tmp_path: Path) -> None:
+    """Rank 2's record comes from a process that is no longer its member (its node was declared lost)."""
+    from torchpass.core.control import Status, put, put_counted
+
+    controller = _controller_in_migration(tmp_path, {1}, [])
+    store = controller.store
+    for rank in (0, 2, 3):
+        wid = "n1-a0" if rank == 2 else f"n0-a{rank}"
+        put_counted(store, 0, "status", Keys.status(0, rank), Status(rank, wid, 4, True, 5, ["127.0.0.1", 1]))
+    controller._collect(controller.migration)
+    assert controller.migration.plan is None, "planned on a stale process's record"
+    assert not store.check([Keys.status(0, 2)]), "the stale record was left where the member's belongs"
+    bad = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert any(e["type"] == "bad_record" and "stale process" in e["message"] for e in bad), bad
+    put(store, Keys.status(0, 2), Status(2, "n0-a2", 4, True, 5, ["127.0.0.1", 1]))
+    controller._collect(controller.migration)
+    # The member's own record is taken: the controller plans (and, with no spare in this job, says so).
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert sum(e["type"] == "bad_record" for e in events) == 1, events
+    assert store.check([Keys.status(0, 2)])

@@ -46,7 +46,10 @@ def test_batched_reads_span_several_requests() -> None:
     assert multi_get(store, keys)[-1] == _to_json(Heartbeat(float(n - 1), n - 1, 0, "train"))
     beats = gather(store, keys, Heartbeat)
     assert [hb.step for hb in beats] == list(range(n))
-    assert gather(store, keys[:2], dict) == [{"t": 0.0, "step": 0, "generation": 0, "phase": "train"}, {"t": 1.0, "step": 1, "generation": 0, "phase": "train"}]
+    assert gather(store, keys[:2], dict) == [
+        {"t": 0.0, "step": 0, "generation": 0, "phase": "train", "seq": 0},
+        {"t": 1.0, "step": 1, "generation": 0, "phase": "train", "seq": 0},
+    ]
     assert gather(store, [], Heartbeat) == []
 
 

@@ -1,0 +1,87 @@
+"""The store a generation's gloo rendezvous waits on, which gives up when the generation is released.
+
+Building a generation's gloo group (``ProcessGroupGloo``'s constructor) blocks
+in store waits for every peer's address, up to the connect timeout
+(``rebuild_timeout_s``, 120 s). A member that dies between the controller's
+``go`` and its own address write leaves every other member waiting there; the
+generation's end, which releases sockets and pending collectives, does not
+reach a wait inside a constructor, and survivors would miss the controller's
+report deadline and be fenced. c10d calls a ``dist.Store`` written in Python
+through its trampoline, so this one waits in short slices and raises, naming
+the reason, as soon as ``released()`` says the generation is over: the
+constructor fails, the rebuild fails like any collective of a dead generation,
+and the member reports again.
+
+Waiting costs nothing on the normal path: a slice is a server-side wait that
+returns as soon as the key is written. Only a stuck rendezvous pays, with one
+c10d warning line per slice.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from .failures import ABANDONED_MARKER
+
+__all__ = ["InterruptibleStore", "WAIT_SLICE_S"]
+
+WAIT_SLICE_S = 0.5
+"""How long one slice of a rendezvous wait lasts: the delay between a generation's release and the wait's end."""
+
+
+class InterruptibleStore(dist.Store):
+    """``base`` with waits (and blocking gets) that end when ``released()`` turns true."""
+
+    def __init__(self, base: dist.Store, released: Callable[[], bool], what: str, timeout: timedelta):
+        super().__init__()
+        self._base = base
+        self._released = released
+        self._what = what
+        self._timeout = timeout
+
+    def _await(self, keys: list[str], timeout: timedelta | None) -> None:
+        limit = (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        while not self._base.check(keys):
+            if self._released():
+                raise RuntimeError(f"{ABANDONED_MARKER}: {self._what}: the generation ended while waiting for peers")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(f"{self._what}: waited {limit:.0f} s for keys {keys} (Socket Timeout)")
+            try:
+                self._base.wait(keys, timedelta(seconds=min(WAIT_SLICE_S, left)))
+            except dist.DistStoreError:
+                continue  # a slice ran out: look at the release and the deadline again
+
+    # ---- c10d's Store interface ----------------------------------------------------
+    def set(self, key: str, value: bytes | str) -> None:
+        self._base.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self._await([key], None)
+        return self._base.get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._await(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._base.check(keys)
+
+    def add(self, key: str, value: int) -> int:
+        return self._base.add(key, value)
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        return self._base.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._base.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._base.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout

@@ -1,0 +1,118 @@
+"""Liveness: staleness on the observer's clock, the store watchdog against a stopped store, no orphan workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from torchpass.core.control import Heartbeat, Keys, try_get
+from torchpass.core.liveness import BeatWatch, Heartbeater, StoreWatchdog
+
+from tests.support.harness import free_port
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_an_unchanged_beat_ages_on_the_observers_clock_only() -> None:
+    clock = _Clock()
+    watch = BeatWatch(clock)
+    assert watch.age("n1", b"7") == 0.0
+    clock.now += 4.0
+    assert watch.age("n1", b"7") == 4.0
+    # A new beat, whatever the writer's clock said when it wrote it, is fresh.
+    assert watch.age("n1", b"8") == 0.0
+    clock.now += 1.5
+    assert watch.age("n1", b"8") == 1.5
+    watch.forget("n1")
+    assert watch.age("n1", b"8") == 0.0
+
+
+@pytest.fixture
+def store_server():
+    port = free_port()
+    code = f"import time, torch.distributed as d; s = d.TCPStore('127.0.0.1', {port}, is_master=True, wait_for_workers=False); time.sleep(600)"
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    yield port, proc
+    os.kill(proc.pid, signal.SIGCONT)
+    proc.kill()
+    proc.wait()
+
+
+def test_the_watchdog_fires_when_a_stopped_store_stops_answering(store_server) -> None:
+    """A request to a SIGSTOPped server never returns (whatever the client's timeout): only the watchdog bounds it."""
+    port, server = store_server
+    from torchpass.core.control import connect
+
+    reader = connect("127.0.0.1", port)
+    lost = threading.Event()
+    silent: list[float] = []
+    watchdog = StoreWatchdog(1.5, lambda s: (silent.append(s), lost.set()))
+    beats = Heartbeater("127.0.0.1", port, "n0-a0", 0.2, lambda: (3, 0, "train"), watchdog)
+    deadline = time.monotonic() + 20
+    while try_get(reader, Keys.heartbeat("n0-a0"), Heartbeat) is None:
+        assert time.monotonic() < deadline, "no heartbeat written"
+        time.sleep(0.05)
+    first = try_get(reader, Keys.heartbeat("n0-a0"), Heartbeat)
+    assert first.step == 3 and first.seq >= 1
+    time.sleep(2.0)
+    assert not lost.is_set(), "the watchdog fired while the store answered"
+    os.kill(server.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    noticed = lost.wait(10)
+    waited = time.monotonic() - t0
+    # Let the blocked beat fail and the thread end before the interpreter does.
+    beats.stop()
+    server.kill()
+    os.kill(server.pid, signal.SIGCONT)
+    beats.join(10)
+    assert noticed, "a stopped store was never noticed"
+    assert waited < 1.5 + 1.0 + 0.5 and silent[0] > 1.5
+    assert not beats.is_alive()
+
+
+def test_a_worker_dies_with_its_launcher(tmp_path) -> None:
+    """The parent-death signal: SIGKILL the parent, and the child (in its own session) is gone too."""
+    pid_file = tmp_path / "child.pid"
+    child = textwrap.dedent(
+        f"""
+        import os, time
+        from torchpass.core.liveness import die_with_parent
+        die_with_parent(os.getppid())
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        time.sleep(600)
+        """
+    )
+    parent = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the child never started"
+        time.sleep(0.05)
+    pid = int(pid_file.read_text())
+    proc.kill()
+    proc.wait()
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        # A zombie reparented to init is reaped shortly; a live orphan would stay.
+        assert time.monotonic() < deadline, f"worker {pid} outlived its launcher"
+        time.sleep(0.05)
