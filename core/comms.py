@@ -297,15 +297,25 @@ class RebuildableProcessGroup(dist.ProcessGroup):
             self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, transport.backend)
             self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         if self._transport is not None:
-            self._graveyard.append(self._transport)
+            self._bury(self._transport)
         self._transport = transport
         self.generation = generation
+
+    def _bury(self, transport: _Transport) -> None:
+        """Keep a released transport while gloo may still run an operation of it; let the quiet ones go.
+
+        Dropping the last reference destroys the gloo group, closing its sockets and
+        ending its threads, but its destructor waits for operations still running: an
+        abandoned one runs until gloo's own timeout, so its transport stays here until then.
+        """
+        self._graveyard.append(transport)
+        self._graveyard = [t for t in self._graveyard if not t.pending.quiet()]
 
     def go_local(self) -> None:
         """Answer collectives locally (a spare before it joins)."""
         if self._transport is not None:
             self._transport.release("the group went local")
-            self._graveyard.append(self._transport)
+            self._bury(self._transport)
         self._transport = None
         if self.generation < 0:
             fake = FakeProcessGroup._create_internal(self._rank, self._size)

@@ -55,6 +55,8 @@ ABANDON_CHECK_S = 0.05
 blocked after its generation ended, at the cost of one C++ timeout every slice of a long wait."""
 
 _SLICE = timedelta(seconds=ABANDON_CHECK_S)
+_PRUNE_AT = 256
+"""Issued works kept before completed ones are dropped from the list (amortized: a few checks per collective)."""
 _STOP = None
 
 _Waits = queue.SimpleQueue  # of (gloo work, trigger future) pairs, or _STOP
@@ -157,12 +159,32 @@ class PendingWork:
         self.abandoned: str | None = None
         """Why the transport was abandoned; None while it is live."""
         self._waits: _Waits | None = None
+        self._waiter_thread: threading.Thread | None = None
+        self._issued: list[dist.Work] = []
+        """gloo works issued and not yet seen completed (pruned as it grows; see ``quiet``)."""
 
     def run(self, issue: Callable[[], dist.Work]) -> TrackedWork:
         """Issue a collective (nothing is issued on an abandoned transport: its sockets are gone)."""
         if self.abandoned is not None:
             return TrackedWork(None, self)
-        return TrackedWork(issue(), self)
+        inner = issue()
+        self._issued.append(inner)
+        if len(self._issued) >= _PRUNE_AT:
+            self._issued = [w for w in self._issued if not w.is_completed()]
+        return TrackedWork(inner, self)
+
+    def quiet(self) -> bool:
+        """Whether gloo has nothing of this transport's in flight: every issued operation completed
+        (abandoned ones complete with an error at gloo's own timeout) and the waiter thread has ended.
+
+        Only then can the transport be destroyed: gloo's destructor waits for its work queue to
+        drain and joins its threads, which would block on an operation still running.
+        """
+        if self.abandoned is None:
+            return False
+        self._issued = [w for w in self._issued if not w.is_completed()]
+        waiter = self._waiter_thread
+        return not self._issued and (waiter is None or not waiter.is_alive())
 
     def abandon(self, reason: str) -> None:
         """Fail every pending collective with ``reason`` (the first reason stays)."""
@@ -225,9 +247,10 @@ class PendingWork:
         with self._lock:
             if self._waits is None:
                 self._waits = queue.SimpleQueue()
-                threading.Thread(
+                self._waiter_thread = threading.Thread(
                     target=self._wait_loop, args=(self._waits,), name=f"torchpass-wait-{self._name}", daemon=True
-                ).start()
+                )
+                self._waiter_thread.start()
             return self._waits
 
     def _wait_loop(self, waits: _Waits) -> None:
