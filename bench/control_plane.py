@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from torchpass.core.config import TorchPassConfig
-from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Ready, Report, Status, put
+from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Ready, Report, Status
 from torchpass.core.controller import Controller, JobSpec
 from torchpass.core.rng import capture_rng
 from torchpass.core.topology import ddp_layout, layout_to_dict

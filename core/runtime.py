@@ -39,11 +39,8 @@ side effects happen at most once); batches come from :class:`ReplayableData`.
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
-import queue
-import signal
 import sys
 import threading
 import time
@@ -68,19 +65,21 @@ from .control import (
     WorkerRecord,
     connect,
     get,
-    MIRROR_SLOTS,
     put,
     put_counted,
-    put_pickle,
     read_mirror,
 )
+from .buddy import BuddyKeeper, GateReleased
+from .chaos import chaos_trigger
 from .data import ReplayableData
-from .failures import FENCE_DUMP_SIGNAL, is_comm_error
+from .failures import is_comm_error
+from .generation_monitor import GenerationMonitor
 from .liveness import STORE_LOST_EXIT, Heartbeater, StoreWatchdog
 from .manifest import Captured, capture, fingerprint, rebuild
+from .mirror import SmallStateMirror
 from .rng import capture_rng, restore_rng
+from .signals import install_handlers
 from .topology import Placement, assign_buddies, layout_to_dict
-from .buddy import BuddyKeeper, GateReleased
 from .transfer import ReceivePool, StateServer, TransferError, fetch_state
 
 __all__ = ["Runtime", "current", "CommFailure", "FINAL_DIGESTS"]
@@ -111,72 +110,12 @@ def _now() -> float:
     return time.time()
 
 
-class _Mirror(threading.Thread):
-    """Writes small-state records to the store off the training thread, one key per version slot.
-
-    A version's step-start record is written after its end-of-backward record and
-    replaces it (same slot), so the exact record wins whenever it exists.
-    ``submit(..., durable=True)`` marks a record that must be in the store before
-    the rank's next collective (see ``Runtime.backward_started``); ``flush`` waits
-    for it, usually without blocking because the write overlapped backward compute.
-    """
-
-    def __init__(self, host: str, port: int, rank: int):
-        super().__init__(name="torchpass-mirror", daemon=True)
-        self._store = connect(host, port)
-        self._rank = rank
-        self._cv = threading.Condition()
-        self._pending: dict[int, tuple[int, dict[str, Any]]] = {}
-        self._submitted = 0
-        self._written = 0
-        self._durable = 0
-        self.error: BaseException | None = None
-        self.start()
-
-    def submit(self, version: int, record: dict[str, Any], durable: bool = False) -> None:
-        with self._cv:
-            self._submitted += 1
-            # A newer record for the same slot supersedes an unwritten older one.
-            self._pending[version % MIRROR_SLOTS] = (self._submitted, {**record, "version": version})
-            if durable:
-                self._durable = self._submitted
-            self._cv.notify_all()
-
-    def flush(self, timeout: float) -> None:
-        """Return once the last durable record is in the store."""
-        with self._cv:
-            if self._written >= self._durable:
-                return
-            if not self._cv.wait_for(lambda: self._written >= self._durable or self.error is not None, timeout):
-                raise RuntimeError(f"torchpass: mirroring this rank's RNG state to the store took over {timeout:.0f} s")
-        if self.error is not None:
-            raise RuntimeError(f"torchpass: mirroring this rank's RNG state failed: {self.error}") from self.error
-
-    def run(self) -> None:
-        while True:
-            with self._cv:
-                self._cv.wait_for(lambda: bool(self._pending))
-                batch = sorted(self._pending.items(), key=lambda item: item[1][0])
-                self._pending.clear()
-            try:
-                for slot, (_, record) in batch:
-                    put_pickle(self._store, Keys.mirror(self._rank, slot), record)
-            except BaseException as exc:  # surfaced to the training thread by flush()
-                with self._cv:
-                    self.error = exc
-                    self._cv.notify_all()
-                return
-            with self._cv:
-                self._written = max(self._written, batch[-1][1][0])
-                self._cv.notify_all()
-
-
 class Runtime:
     """The migration runtime of one worker process (see the module docstring for the protocol)."""
 
     def __init__(self, config: TorchPassConfig | None = None):
         env = os.environ
-        self.config = config or config_from_env()
+        self._config = config or config_from_env()
         self.wid = env["TORCHPASS_WID"]
         self.node = int(env["TORCHPASS_NODE"])
         self.role = env["TORCHPASS_ROLE"]
@@ -186,7 +125,7 @@ class Runtime:
         self.store = connect(host, self.store_port)
         self.events = Mailbox(self.store, Keys.events)
         self.rank: int | None = int(env["RANK"]) if self.role == "active" else None
-        self.generation = 0
+        self.monitor = GenerationMonitor(host, self.store_port, _UNTIL_ANSWERED, self._on_generation_end)
         self.step = 0
         self.version = 0
         self.in_step = False
@@ -195,18 +134,15 @@ class Runtime:
         self.phase = "setup"
         self.provider: StateProvider | None = None
         self.data: ReplayableData | None = None
-        self.ending = threading.Event()
-        self.ending_reason = ""
         self.drain_requested = False
         self._optimizers_total = 0
         self._optimizers_done = 0
         self._step_small: dict[str, Any] | None = None
-        self._mirror: _Mirror | None = None
+        self._mirror: SmallStateMirror | None = None
         self._plan: Plan | None = None
         self._pending_done: dict[str, Any] | None = None
         self._timings = _Timings()
         self._pool: ReceivePool | None = None
-        self._gen_cv = threading.Condition()
         self._buddy: BuddyKeeper | None = None
         self._buddy_target: tuple[int, tuple[str, int] | None] | None = None
         self._push_gate = False
@@ -217,6 +153,7 @@ class Runtime:
         )
         comms.exclude_ports(peer=self.store_port, local=self.server.address[1])
         self._attached = False
+        self._chaos = chaos_trigger(self._config.chaos, self.rank, self.role)
         self._register()
         self._watchdog = StoreWatchdog(self.config.store_timeout_s, self._exit_store_lost)
         Heartbeater(
@@ -245,47 +182,50 @@ class Runtime:
         sys.stdout.flush()
         os._exit(STORE_LOST_EXIT)
 
-    def _monitor_loop(self) -> None:
-        store = connect(self.store_host, self.store_port)
-        while True:
-            g = self.generation
-            key = Keys.end(g)
-            store.wait([key], _UNTIL_ANSWERED)
-            reason = store.get(key).decode()
-            if self.generation == g:
-                self.ending_reason = reason
-                self.ending.set()
-                comms.release_generation(g)
-                if self._buddy is not None:
-                    self._buddy.interrupt()
-            with self._gen_cv:
-                self._gen_cv.wait_for(lambda: self.generation > g)
+    @property
+    def config(self) -> TorchPassConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: TorchPassConfig) -> None:
+        """Adapters replace the launcher's config with the framework's own block (chaos settings included)."""
+        self._config = config
+        self._chaos = chaos_trigger(config.chaos, self.rank, self.role)
+
+    def _on_generation_end(self, generation: int, reason: str) -> None:
+        """The monitor thread saw ``generation`` end: wake whatever of this rank waits on it."""
+        del reason
+        comms.release_generation(generation)
+        if self._buddy is not None:
+            self._buddy.interrupt()
 
     def _set_generation(self, g: int) -> None:
-        with self._gen_cv:
-            self.generation = g
-            self.ending.clear()
-            self._gen_cv.notify_all()
+        self.monitor.enter(g)
+
+    @property
+    def generation(self) -> int:
+        return self.monitor.generation
+
+    @property
+    def ending(self) -> threading.Event:
+        """Set once this rank's generation has ended (the loop then recovers at the next step boundary)."""
+        return self.monitor.ending
+
+    @property
+    def ending_reason(self) -> str:
+        return self.monitor.reason
 
     def install_signal_handlers(self) -> None:
-        """SIGTERM asks for a planned migration of this rank instead of killing it; SIGUSR1 dumps every thread's stack.
+        """SIGTERM asks for a planned migration of this rank (see ``core/signals.py``)."""
+        install_handlers(self._on_term)
 
-        The agent sends SIGUSR1 before it fences a worker, so the log shows where a
-        silent rank was blocked (faulthandler writes from the signal handler itself,
-        so a thread blocked inside C code is dumped too).
-        """
-        faulthandler.register(FENCE_DUMP_SIGNAL, all_threads=True, file=sys.stderr)
-
-        def on_term(signum: int, frame: Any) -> None:
-            del signum, frame
-            if self.rank is None or not self._attached:
-                # A spare, or a rank that has not joined yet: nothing to hand over.
-                os._exit(0)
-            if not self.drain_requested:
-                self.drain_requested = True
-                self.events.post(Report("drain", self.wid, self.node, self.rank, self.generation, detail={"signal": "SIGTERM"}))
-
-        signal.signal(signal.SIGTERM, on_term)
+    def _on_term(self) -> None:
+        if self.rank is None or not self._attached:
+            # A spare, or a rank that has not joined yet: nothing to hand over.
+            os._exit(0)
+        if not self.drain_requested:
+            self.drain_requested = True
+            self.events.post(Report("drain", self.wid, self.node, self.rank, self.generation, detail={"signal": "SIGTERM"}))
 
     # ---- spares ---------------------------------------------------------
     def wait_for_assignment(self) -> int:
@@ -325,7 +265,7 @@ class Runtime:
             opt.register_step_pre_hook(self._commit_begin)
             opt.register_step_post_hook(self._commit_end)
         assert self.rank is not None
-        self._mirror = _Mirror(self.store_host, self.store_port, self.rank)
+        self._mirror = SmallStateMirror(self.store_host, self.store_port, self.rank)
         comms.before_collective = self._before_collective
         layout = provider.layout()
         sharded = set(layout.sharded_classes())
@@ -381,25 +321,10 @@ class Runtime:
             self._protect()
         self._attached = True
         self.phase = "train"
-        threading.Thread(target=self._monitor_loop, name="torchpass-monitor", daemon=True).start()
+        self.monitor.start()
         return first
 
     # ---- per-step hooks -------------------------------------------------
-    def _chaos(self, point: str) -> None:
-        chaos = self.config.chaos
-        if (
-            chaos.kill_rank == self.rank
-            and self.role == "active"
-            and os.environ.get("TORCHPASS_STARTED_AS") == "active"
-            and chaos.kill_step == self.step
-            and chaos.kill_point == point
-        ):
-            print(f"[torchpass] chaos: {chaos.action} rank {self.rank} at {point} of step {self.step}", flush=True)
-            if chaos.action == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            while True:  # stall: heartbeats go on, the step never finishes
-                time.sleep(3600)
-
     def step_begin(self, step: int) -> None:
         self.step = step
         self.in_step = True
@@ -411,7 +336,8 @@ class Runtime:
         # Kept to restore a survivor that re-executes this step (RNG, provider state).
         self._step_small = self._small_state(rng)
         self._mirror_small("start", self.version, self._step_small)
-        self._chaos("step_start")
+        if self._chaos is not None:
+            self._chaos.fire("step_start", self.step)
 
     def step_end(self, step: int) -> None:
         if self.committing:
@@ -429,7 +355,8 @@ class Runtime:
     def commit_started(self) -> None:
         """The step's persistent state is about to change (called by optimizer hooks, or by an adapter)."""
         if self.in_step and not self.committing:
-            self._chaos("commit")
+            if self._chaos is not None:
+                self._chaos.fire("commit", self.step)
             if self._buddy is not None:
                 self._buddy.wait_copied()
             self.committing = True
@@ -439,7 +366,8 @@ class Runtime:
         if self.in_step:
             self.committing = False
             self.version = self.step
-            self._chaos("after_commit")
+            if self._chaos is not None:
+                self._chaos.fire("after_commit", self.step)
 
     def _commit_begin(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         del optimizer, args, kwargs
@@ -475,7 +403,8 @@ class Runtime:
         and whoever replaces this rank needs its RNG at exactly that version.
         """
         if self.in_step and self._mirror is not None:
-            self._chaos("backward")
+            if self._chaos is not None:
+                self._chaos.fire("backward", self.step)
             self._mirror_small("backward", self.step, self._small_state(capture_rng()), durable=True)
             self._push_gate = self._buddy is not None
 

@@ -1,0 +1,47 @@
+"""Deterministic chaos: one fault at one protocol point of one step, on one rank (``ChaosConfig``).
+
+``torchpass inject`` and ``torchpass chaos`` land faults from outside, at
+wall-clock moments; the windows where a race would hide a bug (inside the
+optimizer step, right as the backward starts) need a fault at an exact point.
+The runtime calls ``fire(point, step)`` at each point, but only when a
+:class:`ChaosTrigger` exists: with chaos off (the default) none is built and
+the per-step path pays one ``is None`` test.
+
+The trigger fires in the process first started for the rank, never in the
+spare that replaces it (the fault would repeat forever).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+from .config import ChaosConfig
+
+__all__ = ["ChaosTrigger", "chaos_trigger"]
+
+
+class ChaosTrigger:
+    """Kills or stalls this process at the configured point of the configured step."""
+
+    def __init__(self, config: ChaosConfig, rank: int):
+        self._config = config
+        self._rank = rank
+
+    def fire(self, point: str, step: int) -> None:
+        c = self._config
+        if c.kill_step != step or c.kill_point != point:
+            return
+        print(f"[torchpass] chaos: {c.action} rank {self._rank} at {point} of step {step}", flush=True)
+        if c.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # stall: heartbeats go on, the step never finishes
+            time.sleep(3600)
+
+
+def chaos_trigger(config: ChaosConfig, rank: int | None, role: str) -> ChaosTrigger | None:
+    """The trigger for this process, or None when chaos is off or aimed elsewhere."""
+    if config.kill_rank < 0 or rank != config.kill_rank or role != "active" or os.environ.get("TORCHPASS_STARTED_AS") != "active":
+        return None
+    return ChaosTrigger(config, rank)
