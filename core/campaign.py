@@ -25,6 +25,10 @@ A run is judged:
   outcome: training went on from the wrong state), or it failed without a
   disqualifying reason, or a survivor was fenced or replaced.
 
+Each run works in a fresh directory of its own (a job's relative outputs, such
+as checkpoints, never leak from one run into the next); launch arguments that
+name existing relative files are made absolute first.
+
 Requirements on the job: it is deterministic given its seeds (the fault-free
 run twice gives the same digests; the driver checks this when asked with
 ``check_determinism``), it runs long enough for ``first_step`` to
@@ -50,7 +54,7 @@ from typing import Any, Callable
 from .inject import inject
 from .status import read_workers
 
-__all__ = ["CampaignConfig", "KINDS", "FaultRun", "run_campaign", "format_summary", "load_campaign"]
+__all__ = ["CampaignConfig", "KINDS", "FaultRun", "absolute_paths", "run_campaign", "format_summary", "load_campaign"]
 
 KINDS = ("kill", "hang", "term", "node", "spare", "double")
 """The fault kinds a campaign draws from (see the module docstring)."""
@@ -149,6 +153,10 @@ class _Job:
         self.run_dir = run_dir
         self._store: Any = None
         run_dir.mkdir(parents=True)
+        # Its own working directory: a job writing relative paths (TorchTitan's dump folder and
+        # checkpoints) must not find the files of the run before it.
+        cwd = run_dir.parent / f"{run_dir.name}.cwd"
+        cwd.mkdir()
         port = _free_port()
         self.procs: list[subprocess.Popen] = []
         for node in range(nodes):
@@ -158,7 +166,7 @@ class _Job:
                 "--set", f"telemetry.final_digest={str(final_digest).lower()}", *launch_args,
             ]  # fmt: skip
             log = open(run_dir.parent / f"{run_dir.name}.launcher{node}.log", "w")
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            self.procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
             if node == 0:
                 self._wait(lambda: (run_dir / "workers.json").exists(), 120, "the job's workers.json")
         self.t0 = time.monotonic()
@@ -316,8 +324,24 @@ def _judge(job: _Job, run: FaultRun, code: int | None, reference: dict[int, dict
     run.verdict = RESOLVED
 
 
+def absolute_paths(args: list[str], cwd: Path) -> list[str]:
+    """``args`` with every argument (or ``--flag=value`` value) naming an existing relative file made absolute.
+
+    Each run works in a directory of its own, so ``train.py`` or ``--config ./job.toml`` must not depend
+    on it. Directories stay relative: an output folder (``--job.dump_folder .``) belongs to the run.
+    """
+    out = []
+    for arg in args:
+        flag, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if value and not Path(value).is_absolute() and (cwd / value).is_file():
+            value = str((cwd / value).resolve())
+        out.append(f"{flag}{eq}{value}")
+    return out
+
+
 def run_campaign(config: CampaignConfig, launch_args: list[str], say: Callable[[str], None] = print) -> list[FaultRun]:
     """Run the campaign; returns every faulted run with its verdict (also written to ``summary.json``)."""
+    launch_args = absolute_paths(launch_args, Path.cwd())
     root = Path(config.run_dir).resolve()
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)

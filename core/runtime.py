@@ -15,7 +15,8 @@ Steady state (per step, nothing on the critical path but a few microseconds):
 * a heartbeat thread writes ``hb/<wid>`` every ``heartbeat_interval_s``; a
   monitor thread blocks on ``g/<g>/end`` and, when the controller (or a peer)
   ends the generation, releases this rank's process groups so a collective
-  blocked on a dead or hung peer returns at once.
+  blocked on a dead or hung peer returns at once; a watchdog ends the process
+  if the store stops answering for ``store_timeout_s``.
 
 Survivor recovery (``recover``), after a collective failed or the generation
 ended: release own groups, end the generation if nobody has, undo the
@@ -30,6 +31,14 @@ local process groups; it fetches every class of state from the sources the
 plan names, restores the small state of the rank it replaces, replays set-up
 decisions (DDP buckets) while still local, reports ready, waits for ``go``,
 goes live on the new generation, barrier, and resumes with the survivors.
+
+Collaborators, each a module of its own: :mod:`~torchpass.core.liveness`
+(heartbeats, the store watchdog), :mod:`~torchpass.core.generation_monitor`
+(the end of a generation), :mod:`~torchpass.core.mirror` (small state to the
+store), :mod:`~torchpass.core.controller_answers` (waits for the controller),
+:mod:`~torchpass.core.signals` and :mod:`~torchpass.core.chaos`. What remains
+here is the protocol itself: the step hooks, recovery and joining, which share
+the steps of entering a generation.
 
 Requirements on the training loop: steps are delimited by ``step_begin`` /
 ``step_end``; the optimizer step is the only place the persistent state
@@ -71,6 +80,7 @@ from .control import (
 )
 from .buddy import BuddyKeeper, GateReleased
 from .chaos import chaos_trigger
+from .controller_answers import UNTIL_ANSWERED, ControllerAnswers
 from .data import ReplayableData
 from .failures import is_comm_error
 from .generation_monitor import GenerationMonitor
@@ -100,12 +110,6 @@ class _Timings:
         self.values[name] = self.values.get(name, 0.0) + seconds
 
 
-_UNTIL_ANSWERED = timedelta(days=365)
-"""The deadline of a wait for a key the controller always writes (a plan, ``go``, an assignment, a
-generation's end). It is bounded all the same: a dead store fails the wait, and a stopped or unreachable
-one ends the process through the ``StoreWatchdog`` within ``store_timeout_s``."""
-
-
 def _now() -> float:
     return time.time()
 
@@ -124,8 +128,9 @@ class Runtime:
         self.store_host, self.store_port = host, int(port)
         self.store = connect(host, self.store_port)
         self.events = Mailbox(self.store, Keys.events)
+        self.answers = ControllerAnswers(self.store, lambda: f"rank {self.rank} ({self.wid})")
         self.rank: int | None = int(env["RANK"]) if self.role == "active" else None
-        self.monitor = GenerationMonitor(host, self.store_port, _UNTIL_ANSWERED, self._on_generation_end)
+        self.monitor = GenerationMonitor(host, self.store_port, UNTIL_ANSWERED, self._on_generation_end)
         self.step = 0
         self.version = 0
         self.in_step = False
@@ -233,7 +238,7 @@ class Runtime:
         self.phase = "spare"
         threading.Thread(target=self._prefault_pool, name="torchpass-pool", daemon=True).start()
         self.events.post(Report("spare_ready", self.wid, self.node))
-        assignment = json.loads(self._wait_key(Keys.assign(self.wid)))
+        assignment = self.answers.assignment(self.wid)
         if "exit" in assignment:
             self.phase = "done"
             print(f"[torchpass] spare {self.wid}: {assignment['exit']}", flush=True)
@@ -250,7 +255,7 @@ class Runtime:
     def _prefault_pool(self) -> None:
         """Fault in receive memory for one rank's state while idle (see ReceivePool)."""
         store = connect(self.store_host, self.store_port)
-        store.wait([Keys.state_bytes], _UNTIL_ANSWERED)
+        store.wait([Keys.state_bytes], UNTIL_ANSWERED)
         expected = int(store.get(Keys.state_bytes))
         if expected and self._pool is None:
             self._pool = ReceivePool(int(expected * 1.05))
@@ -441,7 +446,7 @@ class Runtime:
         assert self.rank is not None and self._buddy is not None
         if self._buddy_target is None or self._buddy_target[0] != self.generation:
             keys = [Keys.rankinfo(r) for r in range(self.world_size)]
-            self.store.wait(keys, _UNTIL_ANSWERED)
+            self.store.wait(keys, UNTIL_ANSWERED)
             infos = [json.loads(self.store.get(k)) for k in keys]
             buddies = assign_buddies(Placement({r: info["node"] for r, info in enumerate(infos)}))
             mine = buddies[self.rank]
@@ -504,7 +509,7 @@ class Runtime:
             )
             self.server.publish(self._capture())
             put_counted(self.store, self.generation, "status", Keys.status(self.generation, self.rank), status)
-            plan = self._wait_plan(self.generation + 1)
+            plan = self.answers.plan(self.generation + 1)
             replaced_by = plan.joins.get(str(self.rank))
             if replaced_by is not None and self.wid not in plan.retire:
                 # Declared lost (stopped, or its node cut off) while the job went on: its rank
@@ -540,7 +545,7 @@ class Runtime:
         self._publish_rankinfo()
         answer = Ready(self.wid, plan.generation, failure)
         put_counted(self.store, plan.generation, "ready", Keys.ready(plan.generation, self.rank), answer)
-        go = self._wait_go(plan.generation)
+        go = self.answers.go(plan.generation)
         self._set_generation(plan.generation)
         if not go:
             return False
@@ -566,18 +571,6 @@ class Runtime:
         self._protect()
         return True
 
-    def _wait_key(self, key: str) -> bytes:
-        # The controller always answers (a plan, "go", "abort", or a shutdown notice), so a
-        # blocking server-side wait needs no polling and no timeout of its own.
-        self.store.wait([key], _UNTIL_ANSWERED)
-        return self.store.get(key)
-
-    def _wait_plan(self, g: int) -> Plan:
-        data = json.loads(self._wait_key(Keys.plan(g)))
-        if "shutdown" in data:
-            self._exit_on_shutdown(data["shutdown"])
-        return Plan(**data)
-
     def _exit_replaced(self, by: str) -> None:
         print(
             f"[torchpass] rank {self.rank} ({self.wid}): the controller gave this rank to {by} (this process was "
@@ -588,20 +581,9 @@ class Runtime:
         sys.stdout.flush()
         os._exit(STORE_LOST_EXIT)
 
-    def _exit_on_shutdown(self, reason: str) -> None:
-        print(f"[torchpass] rank {self.rank} ({self.wid}): job stopped by the controller: {reason}", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(3)
-
-    def _wait_go(self, g: int) -> bool:
-        outcome = self._wait_key(Keys.go(g)).decode()
-        if outcome.startswith("abort") and self.store.check([Keys.shutdown]):
-            self._exit_on_shutdown(self.store.get(Keys.shutdown).decode())
-        return outcome == "go"
-
     def _retire(self, plan: Plan) -> None:
         """A draining rank: stay a source until the new generation starts, then leave."""
-        if not self._wait_go(plan.generation):
+        if not self.answers.go(plan.generation):
             return
         self.phase = "done"
         print(f"[torchpass] rank {self.rank} ({self.wid}) handed over to {plan.joins[str(self.rank)]}; exiting", flush=True)
@@ -694,7 +676,7 @@ class Runtime:
         self._timings = _Timings()
         self._timings.add("spare_setup", _now() - self._t_assigned)
         while not self._join_generation(plan, joining=True):
-            plan = self._wait_plan(plan.generation + 1)
+            plan = self.answers.plan(plan.generation + 1)
             if plan.joins.get(str(self.rank)) != self.wid:
                 print(f"[torchpass] spare {self.wid} was released from rank {self.rank}; exiting", flush=True)
                 sys.stdout.flush()

@@ -68,3 +68,16 @@ def test_a_short_campaign_resolves_every_fault(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
     assert "| all | 3 | 3 | 0 | 0 | 0 |" in done.stdout, done.stdout[-3000:]
     assert (run_dir / "summary.json").exists()
+
+
+def test_launch_arguments_naming_relative_files_are_made_absolute(tmp_path: Path) -> None:
+    from torchpass.core.campaign import absolute_paths
+
+    (tmp_path / "train.py").write_text("")
+    (tmp_path / "job.toml").write_text("")
+    (tmp_path / "outputs").mkdir()
+    args = ["--nproc-per-node", "4", "train.py", "--job.config_file", "job.toml", "--config=job.toml", "--steps", "10", "/abs/x", "--job.dump_folder", "outputs", "."]
+    assert absolute_paths(args, tmp_path) == [
+        "--nproc-per-node", "4", str(tmp_path / "train.py"), "--job.config_file", str(tmp_path / "job.toml"),
+        f"--config={tmp_path / 'job.toml'}", "--steps", "10", "/abs/x", "--job.dump_folder", "outputs", ".",
+    ]  # fmt: skip
