@@ -184,6 +184,7 @@ class Agent:
         raw = self.store.get(Keys.config) if self.store.check([Keys.config]) else None
         if raw is not None:
             self.config = config_from_mapping(json.loads(raw), source="the job's torchpass config")
+            self._watchdog.bound_s = self.config.store_timeout_s
 
     def _on_bad_order(self, key: str, why: str) -> None:
         print(f"[torchpass] node {self.spec.node}: ignoring order {key}: {why}", file=sys.stderr, flush=True)
