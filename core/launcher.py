@@ -200,7 +200,12 @@ def _launch(args: argparse.Namespace) -> int:
         except (RuntimeError, OSError) as exc:
             raise LaunchError(f"cannot reach the torchpass store of node 0 at {host}:{port} within {join_timeout:.0f} s: {exc}") from None
 
-    _prepare_run_dir(run_dir)
+    if args.node_rank == 0:
+        _prepare_run_dir(run_dir)
+    else:
+        # The run dir may be node 0's own (a shared file system, or every node on one machine): another
+        # node archiving what is there would move the live ledger and workers.json from under the controller.
+        run_dir.mkdir(parents=True, exist_ok=True)
     run_id = args.rdzv_id or uuid.uuid4().hex[:8]
     spec = NodeSpec(args.node_rank, nnodes, nproc, spares, host, port, run_id, run_dir, target, tee=not args.quiet)
     controller = None

@@ -120,3 +120,5 @@ def test_a_stopped_node_declared_lost_fences_itself_when_it_runs_again(tmp_path:
     last = assert_migrated(run, reference, pids, {2, 3}, "node", max_steps_lost=0)
     assert sorted(last["failed_ranks"]) == [2, 3]
     assert "gave this rank to" in run.output(), run.explain()
+    # Both launchers share the run dir: node 1's start must not have archived node 0's live ledger.
+    assert not (run.run_dir / "previous").exists()

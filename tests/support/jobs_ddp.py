@@ -56,7 +56,8 @@ def main() -> None:
     loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, world, rank, shuffle=True, seed=3))
     norm = [torch.nn.BatchNorm1d(64)] if args.batchnorm else []
     net = torch.nn.Sequential(torch.nn.Linear(16, 64), *norm, torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1))
-    model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb, broadcast_buffers=not args.no_broadcast_buffers)
+    local_buffers = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}  # passing it at all warns in torch 2.13
+    model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb, **local_buffers)
     if args.zero:
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=3e-3, weight_decay=0.01)
     else:
