@@ -289,6 +289,11 @@ def _judge(job: _Job, run: FaultRun, code: int | None, reference: dict[int, dict
     if code is None:
         run.verdict, run.reason = HANG, f"did not finish within the job timeout; see {job.run_dir}"
         return
+    after_end = [e for e in events if e.get("type") == "lost_after_training"]
+    if code == 0 and after_end and not migrations:
+        # Detection outlasted the job (a slow fault kind near the last step): nothing was left to migrate.
+        run.verdict, run.reason = DISQUALIFIED, f"the fault landed after training ended: {after_end[0].get('message', '')}"[:200]
+        return
     disqualifying = [m for m in migrations if m.get("classification") == "disqualifying"]
     stopped = [e for e in events if e.get("type") == "job_failed"]
     if code != 0:

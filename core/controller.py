@@ -148,6 +148,8 @@ class Controller:
         self._no_loss_repeats: tuple[int, int] | None = None
         """(step, count): consecutive migrations that lost no process and resumed at that step."""
         self.nodes_lost: set[int] = set()
+        self.lost_after_training: set[int] = set()
+        """Ranks lost after other ranks had finished training: nothing is left to migrate them for."""
         self._last_progress = (0, time.time())
         self._last_progress_scan = 0.0
         self._last_node_scan = 0.0
@@ -289,12 +291,12 @@ class Controller:
             self.finished.add(rank)
             self._set_role(wid, "finished")
             self._write_workers_json()
-            if len(self.finished) == self.spec.world_size:
+            if len(self.finished | self.lost_after_training) == self.spec.world_size:
                 if self.migration is not None and self.migration.phase == "resuming":
                     # The migration's generation trained to the end (it may have had no step
                     # left to execute, e.g. after a fault in the last checkpoint save): it succeeded.
                     self._close_resumed(self.migration, follow_up=False)
-                self._finish(0, "training completed")
+                self._finish(0, self._completed_message())
             return
         self.lost_wids.add(wid)
         self._set_role(wid, "lost")
@@ -420,7 +422,22 @@ class Controller:
             self._last_progress = (top, now)
             self._failure(set(), "progress", f"no step finished for {self.config.hang_timeout_s:.0f} s (stuck collective?)", now)
 
+    def _completed_message(self) -> str:
+        if not self.lost_after_training:
+            return "training completed"
+        return f"training completed; rank(s) {sorted(self.lost_after_training)} were lost after it ended"
+
     def _failure(self, ranks: set[int], cause: str, message: str, t_fault: float) -> None:
+        if ranks and self.finished and self.migration is None:
+            # Ranks that finished have run the last step: so have the lost ones (its collectives
+            # completed everywhere), and a spare would have no step to run. What is lost is only
+            # what those processes did after the loop.
+            self.lost_after_training |= ranks
+            self.say(f"{message}, after rank(s) {sorted(self.finished)} finished training: nothing to migrate")
+            self.ledger.append(JobEvent("lost_after_training", message, {"ranks": sorted(ranks), "finished": sorted(self.finished)}))
+            if len(self.finished | self.lost_after_training) == self.spec.world_size:
+                self._finish(0, self._completed_message())
+            return
         m = self.migration
         if m is not None and m.phase == "resuming":
             # The new generation went live and then lost a member: a new incident.

@@ -127,3 +127,24 @@ def test_a_status_written_by_a_stale_process_is_ignored(tmp_path: Path) -> None:
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert sum(e["type"] == "bad_record" for e in events) == 1, events
     assert store.check([Keys.status(0, 2)])
+
+
+def test_a_rank_lost_after_others_finished_training_ends_the_job_without_a_migration(tmp_path: Path) -> None:
+    """Ranks 0, 1 and 3 ran the last step and exited; rank 2 dies before it exits: no spare has a step to run."""
+    said: list[str] = []
+    store = _store()
+    spec = JobSpec(world_size=4, nnodes=1, nproc_per_node=4, spares_per_node=1, run_id="t", command=["train.py"])
+    controller = Controller(store, spec, tmp_path, TorchPassConfig(), said.append, lambda wid, node: None, "127.0.0.1:0")
+    box = Mailbox(store, Keys.events)
+    for r in range(4):
+        box.post(Report("spawned", f"n0-a{r}", 0, r, detail={"pid": 100 + r, "role": "active"}))
+    for r in (0, 1, 3):
+        box.post(Report("exit", f"n0-a{r}", 0, r, detail={"exitcode": 0, "how": "exited with code 0"}))
+    controller.tick()
+    assert controller.outcome is None
+    box.post(Report("exit", "n0-a2", 0, 2, detail={"exitcode": -9, "how": "was killed by SIGKILL"}))
+    controller.tick()
+    assert controller.migration is None
+    assert controller.outcome == (0, "training completed; rank(s) [2] were lost after it ended")
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [e["type"] for e in events if e["type"] in ("lost_after_training", "migration")] == ["lost_after_training"]

@@ -21,9 +21,9 @@ from tests.support.harness import JOBS, assert_migrated, launch
 
 pytestmark = pytest.mark.e2e
 
-STEPS = 20
+STEPS = 30
 JOB = JOBS / "jobs_ddp.py"
-ARGS = ["--steps", str(STEPS), "--workdir", ".", "--step-sleep", "0.2"]
+ARGS = ["--steps", str(STEPS), "--workdir", ".", "--step-sleep", "0.3"]
 STORE_TIMEOUT_S = 6.0
 """Shorter than the default (30 s) so the test is quick; fast_detect's heartbeat timeout is 3 s."""
 EXTRA = ["--set", f"store_timeout_s={STORE_TIMEOUT_S}"]
@@ -102,7 +102,8 @@ def test_a_stopped_node_declared_lost_fences_itself_when_it_runs_again(tmp_path:
     kills what it still has and exits. The job ends bitwise equal to the fault-free run.
     """
     run = launch(tmp_path, JOB, ARGS, nproc=2, nnodes=2, node_spares=[2, 1], extra=EXTRA)
-    run.wait_step(2, 5)
+    # Early: declaring the node lost takes the heartbeat timeout, and the job must still be training then.
+    run.wait_step(2, 2)
     pids = run.active_pids()
     launcher1 = run.procs[1]
     node1 = [w["pid"] for w in run.workers()["workers"] if w["node"] == 1]
