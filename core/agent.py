@@ -103,10 +103,10 @@ class Agent:
         self._last_heartbeat_scan = 0.0
         self._beats = BeatWatch()
         self._watchdog = StoreWatchdog(
-            config.store_timeout_s,
+            config.store_bound_s(),
             lambda silent: self.abandon(
                 f"the store at {spec.store_host}:{spec.store_port} has not answered for {silent:.0f} s "
-                f"(store_timeout_s {config.store_timeout_s:g}): node 0 is gone",
+                f"(store_timeout_s: {config.store_bound_s():g} s): node 0 is gone",
                 STORE_LOST_EXIT,
             ),
             name="torchpass-agent-store-watchdog",
@@ -184,7 +184,7 @@ class Agent:
         raw = self.store.get(Keys.config) if self.store.check([Keys.config]) else None
         if raw is not None:
             self.config = config_from_mapping(json.loads(raw), source="the job's torchpass config")
-            self._watchdog.bound_s = self.config.store_timeout_s
+            self._watchdog.bound_s = self.config.store_bound_s()
 
     def _on_bad_order(self, key: str, why: str) -> None:
         print(f"[torchpass] node {self.spec.node}: ignoring order {key}: {why}", file=sys.stderr, flush=True)

@@ -139,12 +139,14 @@ class TorchPassConfig:
     """After a failure, how long the controller waits for survivors to report their state
     before treating a silent one as failed too (a second fault during the migration)."""
 
-    store_timeout_s: float = field(default=30.0, metadata={"check": (_positive, "a number > 0")})
+    store_timeout_s: float = field(default=0.0, metadata={"check": (_non_negative, "a number >= 0 (0: automatic)")})
     """How long a worker or launcher goes without completing a store operation before it
     concludes node 0 (store and controller) is gone and exits, a launcher killing its workers
-    first. Bounds the time from node 0's loss to every process of the job gone. Must exceed
-    ``heartbeat_timeout_s`` (a stall that long gets a node declared lost first); 30 s rides out
-    a store busy with a large migration without leaving a dead job's processes holding devices."""
+    first. Bounds the time from node 0's loss to every process of the job gone. 0 (the default)
+    means three times ``heartbeat_timeout_s`` and at least 30 s: a store busy with a large
+    migration is ridden out, a job that raised its heartbeat timeout for long stalls keeps that
+    tolerance, and a dead job's processes do not hold their devices for minutes. Set, it must
+    exceed ``heartbeat_timeout_s`` (a stall that long gets a node declared lost first)."""
 
     rebuild_timeout_s: float = field(default=120.0, metadata={"check": (_positive, "a number > 0")})
     """Bound on building one generation's communicators. A member that dies mid-rebuild is
@@ -204,13 +206,17 @@ class TorchPassConfig:
                 f"{source}: heartbeat_timeout_s: got {self.heartbeat_timeout_s!r}; expected a number greater than "
                 f"heartbeat_interval_s ({self.heartbeat_interval_s!r}), or every worker would look hung"
             )
-        if self.store_timeout_s <= self.heartbeat_timeout_s:
+        if self.store_timeout_s and self.store_timeout_s <= self.heartbeat_timeout_s:
             raise ConfigError(
                 f"{source}: store_timeout_s: got {self.store_timeout_s!r}; expected a number greater than "
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s!r}), or a store hiccup would end processes "
                 "before any node is declared lost"
             )
         return self
+
+    def store_bound_s(self) -> float:
+        """The store watchdog's bound: ``store_timeout_s``, or its automatic value when that is 0."""
+        return self.store_timeout_s or max(30.0, 3 * self.heartbeat_timeout_s)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -160,7 +160,7 @@ class Runtime:
         self._attached = False
         self._chaos = chaos_trigger(self._config.chaos, self.rank, self.role)
         self._register()
-        self._watchdog = StoreWatchdog(self.config.store_timeout_s, self._exit_store_lost)
+        self._watchdog = StoreWatchdog(self.config.store_bound_s(), self._exit_store_lost)
         Heartbeater(
             host,
             self.store_port,
@@ -180,7 +180,7 @@ class Runtime:
     def _exit_store_lost(self, silent_s: float) -> None:
         print(
             f"[torchpass] {self.wid} (rank {self.rank}): the store at {self.store_host}:{self.store_port} has not "
-            f"answered for {silent_s:.0f} s (store_timeout_s {self.config.store_timeout_s:g}): node 0 is gone; exiting",
+            f"answered for {silent_s:.0f} s (store_timeout_s: {self.config.store_bound_s():g} s): node 0 is gone; exiting",
             file=sys.stderr,
             flush=True,
         )
@@ -196,6 +196,7 @@ class Runtime:
         """Adapters replace the launcher's config with the framework's own block (chaos settings included)."""
         self._config = config
         self._chaos = chaos_trigger(config.chaos, self.rank, self.role)
+        self._watchdog.bound_s = config.store_bound_s()
 
     def _on_generation_end(self, generation: int, reason: str) -> None:
         """The monitor thread saw ``generation`` end: wake whatever of this rank waits on it."""

@@ -249,3 +249,13 @@ def test_hydra_composes_a_preset_with_the_schema():
         cfg = compose(config_name="torchpass/fast_detect")
     assert OmegaConf.get_type(cfg.torchpass) is TorchPassConfig
     assert config_from_mapping(OmegaConf.to_container(cfg.torchpass)) == load_preset("fast_detect")
+
+
+def test_the_store_bound_follows_the_heartbeat_timeout_unless_set() -> None:
+    from torchpass.core.config import ConfigError, config_from_mapping
+
+    assert config_from_mapping({}).store_bound_s() == 30.0
+    assert config_from_mapping({"heartbeat_timeout_s": 60.0, "heartbeat_interval_s": 20.0}).store_bound_s() == 180.0
+    assert config_from_mapping({"store_timeout_s": 12.0}).store_bound_s() == 12.0
+    with pytest.raises(ConfigError, match=r"store_timeout_s: got 5.0; expected a number greater than heartbeat_timeout_s \(10.0\)"):
+        config_from_mapping({"store_timeout_s": 5.0})
