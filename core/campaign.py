@@ -18,12 +18,13 @@ A run is judged:
   RNG streams, data position, buffers: ``telemetry.final_digest``) equals the
   fault-free run's bit for bit; every process not hit kept its PID; the ledger
   records the migrations as successful, costing no survivor;
-* **disqualified**: the job stopped with a disqualifying ledger entry and a
-  named reason (no spare left, a bug in the script): a clean refusal;
+* **disqualified**: the job stopped with a ledger entry that classes the fault
+  disqualifying and names why (no spare left, no surviving copy, a bug in the
+  script): a clean refusal;
 * **hang**: the job did not finish within ``job_timeout_s``;
 * **wrong state**: the job exited 0 but some rank's state differs (the worst
-  outcome: training went on from the wrong state), or it failed without a
-  disqualifying reason, or a survivor was fenced or replaced.
+  outcome: training went on from the wrong state), or it stopped after a fault
+  the ledger calls qualifying, or a survivor was fenced or replaced.
 
 Each run works in a fresh directory of its own (a job's relative outputs, such
 as checkpoints, never leak from one run into the next); launch arguments that
@@ -297,11 +298,12 @@ def _judge(job: _Job, run: FaultRun, code: int | None, reference: dict[int, dict
     disqualifying = [m for m in migrations if m.get("classification") == "disqualifying"]
     stopped = [e for e in events if e.get("type") == "job_failed"]
     if code != 0:
-        if disqualifying or stopped:
-            why = (disqualifying or stopped)[-1].get("message", "")
-            run.verdict, run.reason = DISQUALIFIED, why[:200]
+        if disqualifying:
+            run.verdict, run.reason = DISQUALIFIED, disqualifying[-1].get("message", "")[:200]
         else:
-            run.verdict, run.reason = WRONG, f"exit code {code} with no disqualifying reason in the ledger"
+            # The ledger called the fault qualifying (or said nothing): the job should have survived it.
+            why = stopped[-1].get("message", "") if stopped else "no reason in the ledger"
+            run.verdict, run.reason = WRONG, f"exit code {code} after a qualifying fault: {why}"[:200]
         return
     digests = job.digests()
     if sorted(digests) != sorted(reference):
