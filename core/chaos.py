@@ -15,33 +15,46 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 from .config import ChaosConfig
 
-__all__ = ["ChaosTrigger", "chaos_trigger"]
+__all__ = ["ChaosTrigger", "chaos_trigger", "TERM_HOLD_S"]
+
+TERM_HOLD_S = 60.0
+"""``term``: the longest a rank is held at the point waiting for its drain to end the generation."""
 
 
 class ChaosTrigger:
-    """Kills or stalls this process at the configured point of the configured step."""
+    """Kills, stalls or drains this process at the configured point of the configured step (once)."""
 
-    def __init__(self, config: ChaosConfig, rank: int):
+    def __init__(self, config: ChaosConfig, rank: int, ending: threading.Event):
         self._config = config
         self._rank = rank
+        self._ending = ending
+        self._fired = False
 
     def fire(self, point: str, step: int) -> None:
         c = self._config
-        if c.kill_step != step or c.kill_point != point:
+        if self._fired or c.kill_step != step or c.kill_point != point:
             return
+        self._fired = True
         print(f"[torchpass] chaos: {c.action} rank {self._rank} at {point} of step {step}", flush=True)
+        if c.action == "term":
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler asks for the drain
+            # Held at the point until the drain ends the generation, so every rank is caught there
+            # (inside the commit: all of them mid-collective), then on into the dead generation.
+            self._ending.wait(TERM_HOLD_S)
+            return
         if c.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # stall: heartbeats go on, the step never finishes
             time.sleep(3600)
 
 
-def chaos_trigger(config: ChaosConfig, rank: int | None, role: str) -> ChaosTrigger | None:
-    """The trigger for this process, or None when chaos is off or aimed elsewhere."""
+def chaos_trigger(config: ChaosConfig, rank: int | None, role: str, ending: threading.Event) -> ChaosTrigger | None:
+    """The trigger for this process, or None when chaos is off or aimed elsewhere; ``ending``: the generation's end."""
     if config.kill_rank < 0 or rank != config.kill_rank or role != "active" or os.environ.get("TORCHPASS_STARTED_AS") != "active":
         return None
-    return ChaosTrigger(config, rank)
+    return ChaosTrigger(config, rank, ending)

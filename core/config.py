@@ -77,7 +77,7 @@ class TelemetryConfig:
 
 
 CHAOS_POINTS = ("step_start", "backward", "commit", "after_commit")
-CHAOS_ACTIONS = ("kill", "stall")
+CHAOS_ACTIONS = ("kill", "stall", "term")
 
 
 @dataclass
@@ -92,7 +92,9 @@ class ChaosConfig:
 
     action: str = field(default="kill", metadata={"choices": CHAOS_ACTIONS})
     """``kill``: SIGKILL the process. ``stall``: its training thread stops forever while its heartbeat
-    thread goes on, as a rank wedged in a kernel or a deadlock would; only the hang timeout catches it."""
+    thread goes on, as a rank wedged in a kernel or a deadlock would; only the hang timeout catches it.
+    ``term``: SIGTERM to itself, a drain asked for at that exact point; the rank is held there until
+    the drain ends its generation, so every rank is caught at that point."""
 
     kill_rank: int = field(default=-1, metadata={"check": (lambda v: v >= -1, "an integer >= -1 (-1: off)")})
     """The global rank to hit; -1 turns chaos off (the default)."""

@@ -158,7 +158,7 @@ class Runtime:
         )
         comms.exclude_ports(peer=self.store_port, local=self.server.address[1])
         self._attached = False
-        self._chaos = chaos_trigger(self._config.chaos, self.rank, self.role)
+        self._chaos = chaos_trigger(self._config.chaos, self.rank, self.role, self.monitor.ending)
         self._register()
         self._watchdog = StoreWatchdog(self.config.store_bound_s(), self._exit_store_lost)
         Heartbeater(
@@ -195,7 +195,7 @@ class Runtime:
     def config(self, config: TorchPassConfig) -> None:
         """Adapters replace the launcher's config with the framework's own block (chaos settings included)."""
         self._config = config
-        self._chaos = chaos_trigger(config.chaos, self.rank, self.role)
+        self._chaos = chaos_trigger(config.chaos, self.rank, self.role, self.monitor.ending)
         self._watchdog.bound_s = config.store_bound_s()
 
     def _on_generation_end(self, generation: int, reason: str) -> None:
@@ -601,10 +601,15 @@ class Runtime:
         classes = {**classes, "__small__": SMALL_CLASS}
         return capture(components, classes, self.version, meta={"classes": classes})
 
-    def _read_copy(self, plan: Plan, sources: tuple[tuple[int, str], ...], classes: set[str]) -> dict[str, Any]:
-        """The components of ``classes`` at the plan's target, from this rank's own snapshot or over the network."""
+    def _read_copy(self, plan: Plan, sources: tuple[tuple[int, str], ...], classes: set[str], *, joining: bool) -> dict[str, Any]:
+        """The components of ``classes`` at the plan's target, from this process's own snapshot or over the network.
+
+        A source naming this rank is this process only when it is not joining: a spare that
+        takes over a draining rank has the same rank number as its source, which is the
+        draining process, and reads that one's snapshot over the network.
+        """
         target = plan.target_version
-        if sources == ((self.rank, "snapshot"),):
+        if sources == ((self.rank, "snapshot"),) and not joining:
             assert self._buddy is not None
             snap = self._buddy.snapshot(target)
             if snap is None:
@@ -651,7 +656,7 @@ class Runtime:
             by_sources.setdefault(((int(r), copy),), set()).add(SMALL_CLASS)
         received: dict[str, Any] = {}
         for sources, classes in by_sources.items():
-            received.update(self._read_copy(plan, sources, classes))
+            received.update(self._read_copy(plan, sources, classes, joining=joining))
         small = received.pop("__small__", None)
         if received:
             self.provider.load_components(received, joining=joining)

@@ -18,7 +18,7 @@ import pytest
 from torchpass.core.control import Keys  # noqa: F401
 from torchpass.core.inject import request_migration
 
-from tests.support.harness import JOBS, assert_migrated, fault_rng, launch
+from tests.support.harness import JOBS, assert_migrated, fault_free, fault_rng, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -29,10 +29,7 @@ ARGS = ["--steps", str(STEPS), "--workdir", ".", "--step-sleep", "0.2"]
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    run = launch(tmp_path_factory.mktemp("reference"), JOB, ARGS)
-    assert run.wait() == 0, run.output()[-3000:]
-    assert not run.migrations()
-    return run.results()
+    return fault_free(tmp_path_factory.mktemp("reference"), JOB, ARGS)
 
 
 def _check_success(
@@ -200,9 +197,7 @@ ZERO_ARGS = [*ARGS, "--zero"]
 
 @pytest.fixture(scope="module")
 def reference_zero(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    run = launch(tmp_path_factory.mktemp("reference-zero"), JOB, ZERO_ARGS)
-    assert run.wait() == 0, run.output()[-3000:]
-    return run.results()
+    return fault_free(tmp_path_factory.mktemp("reference-zero"), JOB, ZERO_ARGS)
 
 
 def test_sharded_optimizer_state_comes_from_the_buddy_copy(tmp_path: Path, reference_zero: dict) -> None:
@@ -261,12 +256,11 @@ def test_kill_while_ddp_rebuilds_its_buckets(tmp_path: Path, tmp_path_factory: p
     With tiny buckets the rebuilt layout differs from the construction-time one, so
     any rank left on the wrong layout changes the reduction order (or hangs).
     """
-    ref = launch(tmp_path_factory.mktemp("reference-buckets"), JOB, BUCKET_ARGS)
-    assert ref.wait() == 0, ref.output()[-3000:]
+    ref = fault_free(tmp_path_factory.mktemp("reference-buckets"), JOB, BUCKET_ARGS)
     run = launch(tmp_path, JOB, BUCKET_ARGS, extra=["--chaos", "kill_before_ddp_rebuild"])
     run.wait_step(0, 1)
     pids = run.active_pids()
-    last = _check_success(run, ref.results(), pids, {1}, "kill")
+    last = _check_success(run, ref, pids, {1}, "kill")
     assert last["target_step"] == 2
 
 
@@ -275,9 +269,7 @@ BATCHNORM_ARGS = [*ARGS, "--batchnorm"]
 
 @pytest.fixture(scope="module")
 def reference_batchnorm(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    run = launch(tmp_path_factory.mktemp("reference-batchnorm"), JOB, BATCHNORM_ARGS)
-    assert run.wait() == 0, run.output()[-3000:]
-    return run.results()
+    return fault_free(tmp_path_factory.mktemp("reference-batchnorm"), JOB, BATCHNORM_ARGS)
 
 
 def test_batchnorm_statistics_are_per_rank_state(tmp_path: Path, reference_batchnorm: dict) -> None:
@@ -303,9 +295,22 @@ def test_batchnorm_survivors_reexecute_a_step_without_updating_statistics_twice(
     different statistics, and so would a spare given anyone's but rank 2's.
     """
     args = [*BATCHNORM_ARGS, "--no-broadcast-buffers"]
-    ref = launch(tmp_path_factory.mktemp("reference-batchnorm-local"), JOB, args)
-    assert ref.wait() == 0, ref.output()[-3000:]
+    ref = fault_free(tmp_path_factory.mktemp("reference-batchnorm-local"), JOB, args)
     run = launch(tmp_path, JOB, args, extra=["--chaos", "kill_after_backward"])
     run.wait_step(0, 2)
     pids = run.active_pids()
-    _check_success(run, ref.results(), pids, {2}, "kill", max_steps_lost=0)
+    _check_success(run, ref, pids, {2}, "kill", max_steps_lost=0)
+
+
+def test_a_drain_caught_inside_the_commit_hands_over_its_snapshot(tmp_path: Path, reference_zero: dict) -> None:
+    """Rank 1 asks to leave inside step 5's optimizer step (ZeroRedundancyOptimizer broadcasts there).
+
+    Every rank is dirty, so the job rolls back to the snapshots of step 4; the spare
+    taking rank 1 over must read the draining process's snapshot over the network,
+    not look for one of its own (it has the same rank number, and none).
+    """
+    run = launch(tmp_path, JOB, ZERO_ARGS, extra=["--chaos", "term_in_commit"])
+    run.wait_step(0, 2)
+    pids = run.active_pids()
+    last = _check_success(run, reference_zero, pids, {1}, "planned", max_steps_lost=1)
+    assert [s["copy"] for s in last["sources"]["1"]["from"]["optimizer"]] == ["snapshot"], last["sources"]

@@ -17,7 +17,7 @@ import pytest
 from torchpass.core.agent import NODE_LOST_EXIT
 from torchpass.core.liveness import STORE_LOST_EXIT
 
-from tests.support.harness import JOBS, assert_migrated, launch
+from tests.support.harness import JOBS, assert_migrated, fault_free, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -88,9 +88,7 @@ def test_every_process_exits_within_the_bound_once_node_0_is_gone(tmp_path: Path
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    run = launch(tmp_path_factory.mktemp("reference"), JOB, ARGS)
-    assert run.wait() == 0, run.output()[-3000:]
-    return run.results()
+    return fault_free(tmp_path_factory.mktemp("reference"), JOB, ARGS)
 
 
 def test_a_stopped_node_declared_lost_fences_itself_when_it_runs_again(tmp_path: Path, reference: dict) -> None:

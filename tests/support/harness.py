@@ -200,6 +200,14 @@ def launch(
     return JobRun(workdir, procs, logs, run_dir)
 
 
+def fault_free(workdir: Path, script: str | Path, script_args: list[str], **kwargs: Any) -> dict[int, dict[str, Any]]:
+    """The results of a run without faults (the oracle a faulted run is compared with); fails if it migrated."""
+    run = launch(workdir, script, script_args, **kwargs)
+    assert run.wait() == 0, run.output()[-3000:]
+    assert not run.migrations(), run.explain()
+    return run.results()
+
+
 def _wait_file(path: Path, proc: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
     deadline = time.time() + timeout
     while not path.exists():
