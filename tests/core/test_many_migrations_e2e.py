@@ -18,7 +18,7 @@ import pytest
 
 from torchpass.core.control import Keys, connect
 
-from tests.support.harness import JOBS, launch
+from tests.support.harness import JOBS, assert_bitwise, fault_free, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -32,9 +32,11 @@ def _resources(pid: int) -> tuple[int, int, int]:
 
 
 def test_fifty_migrations_leave_fds_threads_and_rss_flat(tmp_path: Path) -> None:
-    steps = 3 * MIGRATIONS + 20
-    run = launch(tmp_path, JOBS / "jobs_ddp.py", ["--steps", str(steps), "--workdir", ".", "--step-sleep", "0.05"], nproc=2, spares=0)
+    args = ["--steps", str(3 * MIGRATIONS + 20), "--workdir", ".", "--step-sleep", "0.05"]
+    reference = fault_free(tmp_path / "reference", JOBS / "jobs_ddp.py", args, nproc=2, spares=0)
+    run = launch(tmp_path / "migrated", JOBS / "jobs_ddp.py", args, nproc=2, spares=0)
     run.wait_step(0, 3)
+    pids = run.active_pids()
     host, port = run.workers()["store"].rsplit(":", 1)
     store = connect(host, int(port))
     pid = run.active_pids()[0]
@@ -49,6 +51,10 @@ def test_fifty_migrations_leave_fds_threads_and_rss_flat(tmp_path: Path) -> None
             time.sleep(0.05)
         samples.append(_resources(pid))
     assert run.wait() == 0, run.explain()
+    # Fifty re-executed steps later, still the fault-free run's state, losses and processes.
+    results = run.results()
+    assert_bitwise(results, reference)
+    assert {r: results[r]["pid"] for r in pids} == pids
     print(f"[many-migrations] rank 0 (fds, threads, RSS MB): before {samples[0]}, after 1 {samples[1]}, "
           f"after 10 {samples[10]}, after {MIGRATIONS} {samples[-1]}")  # fmt: skip
     migrations = [m for m in run.migrations() if m["outcome"] == "success"]
