@@ -167,11 +167,14 @@ class PendingWork:
         """Issue a collective (nothing is issued on an abandoned transport: its sockets are gone)."""
         if self.abandoned is not None:
             return TrackedWork(None, self)
-        inner = issue()
-        self._issued.append(inner)
-        if len(self._issued) >= _PRUNE_AT:
-            self._issued = [w for w in self._issued if not w.is_completed()]
-        return TrackedWork(inner, self)
+        work = TrackedWork(issue(), self)
+        if work._gloo_future is not None:
+            # The others (send, recv, reduce-scatter) are waited on by the waiter thread, which
+            # quiet() waits for; holding them here too made reduce-scatter 4x slower (measured).
+            self._issued.append(work._inner)
+            if len(self._issued) >= _PRUNE_AT:
+                self._issued = [w for w in self._issued if not w.is_completed()]
+        return work
 
     def quiet(self) -> bool:
         """Whether gloo has nothing of this transport's in flight: every issued operation completed
