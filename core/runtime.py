@@ -1,4 +1,4 @@
-"""The in-worker side of live migration: step bookkeeping, liveness, recovery and joining.
+"""The in-worker side of live migration: a worker's identity, its attachment, and the per-step hooks.
 
 One :class:`Runtime` lives in every process ``torchpass launch`` starts. It
 implements the worker half of the migration protocol; the controller
@@ -12,33 +12,25 @@ Steady state (per step, nothing on the critical path but a few microseconds):
 * the *commit* of step k is its optimizer step. Until the commit begins the
   rank's state is version k-1; once it ends, version k; a failure inside it
   leaves the state *dirty* (unusable, it will be copied from a replica);
+* ``step_end(k)`` snapshots sharded state and starts its buddy push (every
+  ``buddy_interval_steps``); the next gradient collective waits for the push;
 * a heartbeat thread writes ``hb/<wid>`` every ``heartbeat_interval_s``; a
   monitor thread blocks on ``g/<g>/end`` and, when the controller (or a peer)
-  ends the generation, releases this rank's process groups so a collective
+  ends the generation, releases this rank's process groups and gates so a call
   blocked on a dead or hung peer returns at once; a watchdog ends the process
   if the store stops answering for ``store_timeout_s``.
 
-Survivor recovery (``recover``), after a collective failed or the generation
-ended: release own groups, end the generation if nobody has, undo the
-interrupted step (partial gradients, RNG back to the step start, data rewound),
-publish the state for others to copy, report ``(version, clean)``, wait for the
-plan of the next generation, fetch state if the plan says so (a rank that
-lagged or was dirty), report ready, wait for ``go``, rebuild all process groups
-on the new generation, barrier, and resume at ``target_version + 1``.
+A failure hands over to :mod:`~torchpass.core.migration` (a survivor's
+recovery, a spare's join), which works on this module's step bookkeeping.
 
-Spare join (``attach`` on a spare): the spare ran the training script with
-local process groups; it fetches every class of state from the sources the
-plan names, restores the small state of the rank it replaces, replays set-up
-decisions (DDP buckets) while still local, reports ready, waits for ``go``,
-goes live on the new generation, barrier, and resumes with the survivors.
-
-Collaborators, each a module of its own: :mod:`~torchpass.core.liveness`
-(heartbeats, the store watchdog), :mod:`~torchpass.core.generation_monitor`
-(the end of a generation), :mod:`~torchpass.core.mirror` (small state to the
-store), :mod:`~torchpass.core.controller_answers` (waits for the controller),
-:mod:`~torchpass.core.signals` and :mod:`~torchpass.core.chaos`. What remains
-here is the protocol itself: the step hooks, recovery and joining, which share
-the steps of entering a generation.
+Collaborators, each a module of its own: :mod:`~torchpass.core.migration`
+(recovery and joining), :mod:`~torchpass.core.state_copy` (capturing and
+loading the rank's state), :mod:`~torchpass.core.buddy_routing` (where the
+buddy copy goes), :mod:`~torchpass.core.liveness` (heartbeats, the store
+watchdog), :mod:`~torchpass.core.generation_monitor` (the end of a
+generation), :mod:`~torchpass.core.mirror` (small state to the store),
+:mod:`~torchpass.core.controller_answers` (waits for the controller),
+:mod:`~torchpass.core.signals` and :mod:`~torchpass.core.chaos`.
 
 Requirements on the training loop: steps are delimited by ``step_begin`` /
 ``step_end``; the optimizer step is the only place the persistent state
@@ -53,8 +45,6 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -63,34 +53,24 @@ import torch.distributed as dist
 
 from . import comms
 from .adapter import SMALL_CLASS, StateProvider
-from .config import TorchPassConfig, config_from_env
-from .control import (
-    Keys,
-    Mailbox,
-    Plan,
-    Ready,
-    Report,
-    Status,
-    WorkerRecord,
-    connect,
-    get,
-    put,
-    put_counted,
-    read_mirror,
-)
 from .buddy import BuddyKeeper, GateReleased
+from .buddy_routing import BuddyRouting, GenerationEnded
 from .chaos import chaos_trigger
+from .config import TorchPassConfig, config_from_env
+from .control import Keys, Mailbox, Plan, Report, WorkerRecord, connect, get, put
 from .controller_answers import UNTIL_ANSWERED, ControllerAnswers
 from .data import ReplayableData
 from .failures import is_comm_error
 from .generation_monitor import GenerationMonitor
 from .liveness import STORE_LOST_EXIT, Heartbeater, StoreWatchdog
-from .manifest import Captured, capture, fingerprint, rebuild
+from .manifest import capture, fingerprint
+from .migration import Migration
 from .mirror import SmallStateMirror
-from .rng import capture_rng, restore_rng
+from .rng import capture_rng
 from .signals import install_handlers
-from .topology import Placement, assign_buddies, layout_to_dict
-from .transfer import ReceivePool, StateServer, TransferError, fetch_state
+from .state_copy import StateCopier
+from .topology import layout_to_dict
+from .transfer import ReceivePool, StateServer, TransferError
 
 __all__ = ["Runtime", "current", "CommFailure", "FINAL_DIGESTS"]
 
@@ -99,19 +79,6 @@ FINAL_DIGESTS = "final"
 
 class CommFailure(RuntimeError):
     """Raised by the runtime itself when a generation ended while the rank was between collectives."""
-
-
-@dataclass
-class _Timings:
-    values: dict[str, float] = field(default_factory=dict)
-    bytes_moved: int = 0
-
-    def add(self, name: str, seconds: float) -> None:
-        self.values[name] = self.values.get(name, 0.0) + seconds
-
-
-def _now() -> float:
-    return time.time()
 
 
 class Runtime:
@@ -142,14 +109,18 @@ class Runtime:
         self.drain_requested = False
         self._optimizers_total = 0
         self._optimizers_done = 0
-        self._step_small: dict[str, Any] | None = None
+        self.step_small: dict[str, Any] | None = None
+        """The small state at the start of the current step, restored when a survivor re-executes it."""
         self._mirror: SmallStateMirror | None = None
         self._plan: Plan | None = None
-        self._pending_done: dict[str, Any] | None = None
-        self._timings = _Timings()
+        self._t_assigned = 0.0
         self._pool: ReceivePool | None = None
-        self._buddy: BuddyKeeper | None = None
-        self._buddy_target: tuple[int, tuple[str, int] | None] | None = None
+        self.buddy: BuddyKeeper | None = None
+        """This rank's snapshots, buddy pushes and the copies it holds for others (sharded state only)."""
+        self._routing: BuddyRouting | None = None
+        self.copier: StateCopier | None = None
+        """Captures and loads this rank's state; set once attached."""
+        self.migration = Migration(self)
         self._push_gate = False
         self.server = StateServer(
             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host(),
@@ -202,8 +173,8 @@ class Runtime:
         """The monitor thread saw ``generation`` end: wake whatever of this rank waits on it."""
         del reason
         comms.release_generation(generation)
-        if self._buddy is not None:
-            self._buddy.interrupt()
+        if self.buddy is not None:
+            self.buddy.interrupt()
 
     def _set_generation(self, g: int) -> None:
         self.monitor.enter(g)
@@ -248,7 +219,7 @@ class Runtime:
         self.rank = int(assignment["rank"])
         self._plan = get(self.store, Keys.plan(int(assignment["generation"])), Plan)
         self._set_generation(self._plan.generation)
-        self._t_assigned = _now()
+        self._t_assigned = time.time()
         self.phase = "setup"
         self._register()
         return self.rank
@@ -273,12 +244,15 @@ class Runtime:
         assert self.rank is not None
         self._mirror = SmallStateMirror(self.store_host, self.store_port, self.rank)
         comms.before_collective = self._before_collective
+        # Watching the generation from here on: a fault during start-up or during a
+        # spare's join must release this rank's waits too.
+        self.monitor.start()
         layout = provider.layout()
         sharded = set(layout.sharded_classes())
         mode = self.config.redundancy
         if mode == "buddy" or (mode == "auto" and sharded):
             push = set(layout.state_classes) if mode == "buddy" else sharded
-            self._buddy = BuddyKeeper(
+            self.buddy = BuddyKeeper(
                 rank=self.rank,
                 classes_to_push=push | {SMALL_CLASS},
                 chunk_bytes=self.config.transfer_chunk_bytes,
@@ -294,8 +268,11 @@ class Runtime:
                 file=sys.stderr,
                 flush=True,
             )
+        self._routing = BuddyRouting(self.store, self.rank, self.world_size)
+        self.copier = StateCopier(self.rank, provider, data, self.config, self.store, self.buddy, lambda: self._pool)
         if self.role == "spare":
-            first = self._join()
+            assert self._plan is not None
+            first = self.migration.join(self._plan, self._t_assigned)
         else:
             self.version = start_step - 1
             self.step = start_step
@@ -323,11 +300,10 @@ class Runtime:
                 )
             )
             first = start_step
-            self._publish_rankinfo()
-            self._protect()
+            self.publish_rankinfo(self.generation)
+            self.protect()
         self._attached = True
         self.phase = "train"
-        self.monitor.start()
         return first
 
     # ---- per-step hooks -------------------------------------------------
@@ -340,8 +316,9 @@ class Runtime:
         if self.data is not None:
             self.data.mark_step(step)
         # Kept to restore a survivor that re-executes this step (RNG, provider state).
-        self._step_small = self._small_state(rng)
-        self._mirror_small("start", self.version, self._step_small)
+        assert self.copier is not None
+        self.step_small = self.copier.small_state(rng)
+        self._mirror_small("start", self.version, self.step_small)
         if self._chaos is not None:
             self._chaos.fire("step_start", self.step)
 
@@ -351,20 +328,20 @@ class Runtime:
             self.committing = False
         self.version = max(self.version, step)
         self.in_step = False
-        if self._buddy is not None and self.version % self.config.buddy_interval_steps == 0:
+        if self.buddy is not None and self.version % self.config.buddy_interval_steps == 0:
             # At the step boundary, not at the optimizer step: the scheduler step and
             # anything else the step updates after the commit belong to this version.
-            self._buddy.start(self._capture(), self._buddy_address())
-        if self._pending_done is not None:
-            self._report_done()
+            self.protect()
+        if self.migration.done_pending:
+            self.migration.report_done()
 
     def commit_started(self) -> None:
         """The step's persistent state is about to change (called by optimizer hooks, or by an adapter)."""
         if self.in_step and not self.committing:
             if self._chaos is not None:
                 self._chaos.fire("commit", self.step)
-            if self._buddy is not None:
-                self._buddy.wait_copied()
+            if self.buddy is not None:
+                self.buddy.wait_copied()
             self.committing = True
 
     def commit_finished(self) -> None:
@@ -386,18 +363,6 @@ class Runtime:
             if self._optimizers_done >= self._optimizers_total:
                 self.commit_finished()
 
-    def _small_state(self, rng: dict[str, Any]) -> dict[str, Any]:
-        extra = self.provider.small_state() if self.provider is not None and hasattr(self.provider, "small_state") else None
-        rng = {**rng, "provider": extra} if extra is not None else rng
-        return {"rng": rng, "data": self.data.snapshot() if self.data is not None else None}
-
-    def _restore_small(self, rng: dict[str, Any]) -> None:
-        """Restore RNG streams and the provider's small state from a small-state record's ``rng`` part."""
-        assert self.provider is not None
-        restore_rng(rng)
-        if "provider" in rng:
-            self.provider.load_small_state(rng["provider"])  # type: ignore[attr-defined]
-
     def backward_started(self) -> None:
         """A backward pass of this step began: the step's RNG draws and batches are final.
 
@@ -411,50 +376,49 @@ class Runtime:
         if self.in_step and self._mirror is not None:
             if self._chaos is not None:
                 self._chaos.fire("backward", self.step)
-            self._mirror_small("backward", self.step, self._small_state(capture_rng()), durable=True)
-            self._push_gate = self._buddy is not None
+            assert self.copier is not None
+            self._mirror_small("backward", self.step, self.copier.small_state(), durable=True)
+            self._push_gate = self.buddy is not None
 
     def _before_collective(self) -> None:
         assert self._mirror is not None
         self._mirror.flush(self.config.report_timeout_s)
         if self._push_gate:
-            assert self._buddy is not None
+            assert self.buddy is not None
             # Cleared first: the collectives of the recovery that may follow pass no gate.
             self._push_gate = False
             try:
-                self._buddy.wait_pushed()
+                self.buddy.wait_pushed()
             except GateReleased as exc:
                 raise CommFailure(f"rank {self.rank}: {exc}") from exc
 
-    # ---- buddies --------------------------------------------------------
-    def _publish_rankinfo(self) -> None:
-        assert self.rank is not None
-        info = {"node": self.node, "addr": list(self.server.address), "wid": self.wid, "generation": self.generation}
-        put(self.store, Keys.rankinfo(self.rank), info)
+    def discard_step_gate(self) -> None:
+        """Drop the interrupted step's buddy gate: the recovery's own collectives pass none."""
+        self._push_gate = False
 
-    def _protect(self) -> None:
-        """Snapshot the current state and send its buddy copy (after attaching or a migration)."""
-        if self._buddy is not None:
-            self._buddy.start(self._capture(), self._buddy_address())
+    # ---- buddies --------------------------------------------------------
+    def publish_rankinfo(self, generation: int) -> None:
+        """Publish this rank's address for ``generation`` (see ``core/buddy_routing.py``)."""
+        assert self._routing is not None
+        self._routing.publish(self.node, self.server.address, self.wid, generation)
+
+    def protect(self) -> None:
+        """Snapshot the current state and send its buddy copy (at a step boundary, after attaching or a migration)."""
+        if self.buddy is None:
+            return
+        assert self._routing is not None and self.copier is not None
+        try:
+            target = self._routing.target(self.generation, self.ending, self.buddy)
+        except GenerationEnded as exc:
+            # The migration that follows snapshots and pushes again once its generation is live.
+            print(f"[torchpass] rank {self.rank}: no buddy copy this generation: {exc}", file=sys.stderr, flush=True)
+            return
+        self.buddy.start(self.copier.capture(self.version), target)
 
     def _holder(self) -> BuddyKeeper:
-        if self._buddy is None:
+        if self.buddy is None:
             raise TransferError("this rank keeps no buddy copies (redundancy is not 'buddy' here)")
-        return self._buddy
-
-    def _buddy_address(self) -> tuple[str, int] | None:
-        """Where this rank's buddy copy goes in the current generation (None on a one-rank world)."""
-        assert self.rank is not None and self._buddy is not None
-        if self._buddy_target is None or self._buddy_target[0] != self.generation:
-            keys = [Keys.rankinfo(r) for r in range(self.world_size)]
-            self.store.wait(keys, UNTIL_ANSWERED)
-            infos = [json.loads(self.store.get(k)) for k in keys]
-            buddies = assign_buddies(Placement({r: info["node"] for r, info in enumerate(infos)}))
-            mine = buddies[self.rank]
-            target = None if mine == self.rank else tuple(infos[mine]["addr"])
-            self._buddy.forget_holdings_except({r for r, b in buddies.items() if b == self.rank and r != self.rank})
-            self._buddy_target = (self.generation, target)  # type: ignore[assignment]
-        return self._buddy_target[1]
+        return self.buddy
 
     def _mirror_small(self, kind: str, version: int, small: dict[str, Any], durable: bool = False) -> None:
         assert self._mirror is not None
@@ -469,241 +433,19 @@ class Runtime:
             return True
         return bool(self.store.check([Keys.end(self.generation)]))
 
-    # ---- survivor recovery ---------------------------------------------
+    # ---- migration --------------------------------------------------------
     def recover(self, cause: str) -> int:
-        """Run the survivor side of a migration; returns the step to execute next."""
-        assert self.provider is not None and self.rank is not None
-        t_fail = _now()
-        self.phase = "recover"
-        comms.release_generation(self.generation)
-        self.store.compare_set(Keys.end(self.generation), "", f"rank {self.rank}: {cause}"[:500])
-        aborted = self.in_step
-        interrupted_step = self.step
-        dirty = self.committing
-        self.committing = False
-        self.in_step = False
-        # The discarded step's gate: the recovery's own collectives pass none.
-        self._push_gate = False
-        self.provider.discard_step()
-        if aborted and not dirty and self.version == interrupted_step - 1:
-            # Back to exactly the state at the start of the interrupted step: its
-            # forward already drew random numbers and updated buffers.
-            assert self._step_small is not None
-            self._restore_small(self._step_small["rng"])
-            if self.data is not None:
-                start = self.data.step_start(interrupted_step)
-                assert start is not None
-                self.data.seek(start)
-        self.clean = not dirty
-        self._timings = _Timings()
-        while True:
-            status = Status(
-                self.rank,
-                self.wid,
-                self.version,
-                self.clean,
-                interrupted_step,
-                list(self.server.address),
-                draining=self.drain_requested,
-                snapshots=self._buddy.snapshot_versions() if self._buddy is not None else [],
-                holds={str(k): v for k, v in self._buddy.held_versions().items()} if self._buddy is not None else {},
-            )
-            self.server.publish(self._capture())
-            put_counted(self.store, self.generation, "status", Keys.status(self.generation, self.rank), status)
-            plan = self.answers.plan(self.generation + 1)
-            replaced_by = plan.joins.get(str(self.rank))
-            if replaced_by is not None and self.wid not in plan.retire:
-                # Declared lost (stopped, or its node cut off) while the job went on: its rank
-                # belongs to another process now, which must be the only one to join as it.
-                self._exit_replaced(replaced_by)
-            if self.wid in plan.retire:
-                self._retire(plan)
-                self._set_generation(plan.generation)
-                continue
-            if self._join_generation(plan, joining=False):
-                break
-        self.server.publish(None)
-        self._pending_done = {"recovered_s": _now() - t_fail}
-        self.phase = "train"
-        return plan.target_version + 1
-
-    def _join_generation(self, plan: Plan, *, joining: bool) -> bool:
-        """Fetch what the plan says, report ready, and go live on ``plan.generation``.
-
-        Returns False when the attempt was abandoned (a member or a source died,
-        a transfer failed): the rank is then in ``plan.generation`` and reports
-        again there, and the controller plans the next generation.
-        """
-        assert self.rank is not None
-        failure = ""
-        t0 = _now()
-        try:
-            self._apply_plan(plan, joining=joining)
-        except (TransferError, OSError) as exc:
-            failure = f"rank {self.rank} could not fetch its state: {exc}"
-            print(f"[torchpass] {failure}", file=sys.stderr, flush=True)
-        self._timings.add("transfer", _now() - t0)
-        self._publish_rankinfo()
-        answer = Ready(self.wid, plan.generation, failure)
-        put_counted(self.store, plan.generation, "ready", Keys.ready(plan.generation, self.rank), answer)
-        go = self.answers.go(plan.generation)
-        self._set_generation(plan.generation)
-        if not go:
-            return False
-        t0 = _now()
-        try:
-            comms.rebuild_all(self.store, plan.generation, timedelta(seconds=self.config.rebuild_timeout_s))
-            dist.barrier()
-            if hasattr(self.provider, "resume"):
-                self.provider.resume()  # type: ignore[union-attr]
-        except (dist.DistError, RuntimeError) as exc:
-            if not self.is_comm_failure(exc):
-                raise
-            # A member died between "go" and the end of the rebuild: this generation is over too.
-            reason = f"rank {self.rank}: rebuilding generation {plan.generation} failed: {exc}"
-            print(f"[torchpass] {reason}", file=sys.stderr, flush=True)
-            comms.release_generation(plan.generation)
-            self.store.compare_set(Keys.end(plan.generation), "", reason[:500])
-            return False
-        self._timings.add("rebuild", _now() - t0)
-        self.version = plan.target_version
-        self.step = plan.target_version + 1
-        self.clean = True
-        self._protect()
-        return True
-
-    def _exit_replaced(self, by: str) -> None:
-        print(
-            f"[torchpass] rank {self.rank} ({self.wid}): the controller gave this rank to {by} (this process was "
-            "declared lost); exiting",
-            file=sys.stderr,
-            flush=True,
-        )
-        sys.stdout.flush()
-        os._exit(STORE_LOST_EXIT)
-
-    def _retire(self, plan: Plan) -> None:
-        """A draining rank: stay a source until the new generation starts, then leave."""
-        if not self.answers.go(plan.generation):
-            return
-        self.phase = "done"
-        print(f"[torchpass] rank {self.rank} ({self.wid}) handed over to {plan.joins[str(self.rank)]}; exiting", flush=True)
-        self.server.close()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-
-    # ---- state ------------------------------------------------------------
-    def _capture(self) -> Captured:
-        assert self.provider is not None
-        components, classes = self.provider.state_components()
-        components = {**components, "__small__": self._small_state(capture_rng())}
-        classes = {**classes, "__small__": SMALL_CLASS}
-        return capture(components, classes, self.version, meta={"classes": classes})
-
-    def _read_copy(self, plan: Plan, sources: tuple[tuple[int, str], ...], classes: set[str], *, joining: bool) -> dict[str, Any]:
-        """The components of ``classes`` at the plan's target, from this process's own snapshot or over the network.
-
-        A source naming this rank is this process only when it is not joining: a spare that
-        takes over a draining rank has the same rank number as its source, which is the
-        draining process, and reads that one's snapshot over the network.
-        """
-        target = plan.target_version
-        if sources == ((self.rank, "snapshot"),) and not joining:
-            assert self._buddy is not None
-            snap = self._buddy.snapshot(target)
-            if snap is None:
-                raise TransferError(f"rank {self.rank} has no snapshot of step {target} any more")
-            # Copy out of the snapshot: loading it directly would make live optimizer
-            # state alias snapshot buffers that later snapshots overwrite.
-            manifest = snap.manifest
-            mine = self._capture()
-            own = {e.name: t for e, t in zip(mine.manifest.entries, mine.tensors)}
-            tensors = []
-            for entry, saved in zip(snap.manifest.entries, snap.tensors):
-                live = own.get(entry.name)
-                if live is not None and live.dtype == saved.dtype and live.shape == saved.shape:
-                    tensors.append(live.copy_(saved))
-                else:
-                    tensors.append(saved.clone())
-        else:
-            manifest, tensors, stats = fetch_state(
-                [(tuple(plan.addresses[str(r)]), copy) for r, copy in sources],  # type: ignore[misc]
-                target,
-                chunk_bytes=self.config.transfer_chunk_bytes,
-                retries=self.config.transfer_retries,
-                timeout=self.config.rebuild_timeout_s,
-                verify_replicas=self.config.verify_replicas,
-                state_classes=classes,
-                into=self._capture(),
-                pool=self._pool,
-            )
-            self._timings.bytes_moved += stats.nbytes
-            self._timings.add("fetch", stats.seconds)
-        component_classes = manifest.meta["classes"]
-        state = rebuild(manifest, tensors)
-        return {name: value for name, value in state.items() if component_classes[name] in classes}
-
-    def _apply_plan(self, plan: Plan, *, joining: bool) -> None:
-        assert self.provider is not None and self.rank is not None
-        rank_plan = plan.rank_plan(self.rank)
-        target = plan.target_version
-        by_sources: dict[tuple[tuple[int, str], ...], set[str]] = {}
-        for cls, sources in rank_plan.fetch.items():
-            by_sources.setdefault(tuple((int(r), str(c)) for r, c in sources), set()).add(cls)
-        if "/" in rank_plan.small_from:
-            r, copy = rank_plan.small_from.split("/", 1)
-            by_sources.setdefault(((int(r), copy),), set()).add(SMALL_CLASS)
-        received: dict[str, Any] = {}
-        for sources, classes in by_sources.items():
-            received.update(self._read_copy(plan, sources, classes, joining=joining))
-        small = received.pop("__small__", None)
-        if received:
-            self.provider.load_components(received, joining=joining)
-        if rank_plan.small_from == "mirror":
-            small = read_mirror(self.store, self.rank).get(target)
-            if small is None:
-                raise TransferError(f"rank {self.rank}'s mirror has no record for step {target}")
-        if small is not None:
-            # Data before RNG. ReplayableData starts epoch iterators with the global RNG
-            # saved and restored, so the order is for sources that draw when advanced.
-            if self.data is not None and small["data"] is not None:
-                if joining:
-                    self.data.fast_forward(small["data"])
-                else:
-                    self.data.seek(small["data"]["position"])
-            self._restore_small(small["rng"])
-        self.version = target
-
-    # ---- joining --------------------------------------------------------
-    def _join(self) -> int:
-        assert self._plan is not None
-        plan = self._plan
-        self._timings = _Timings()
-        self._timings.add("spare_setup", _now() - self._t_assigned)
-        while not self._join_generation(plan, joining=True):
-            plan = self.answers.plan(plan.generation + 1)
-            if plan.joins.get(str(self.rank)) != self.wid:
-                print(f"[torchpass] spare {self.wid} was released from rank {self.rank}; exiting", flush=True)
-                sys.stdout.flush()
-                os._exit(0)
-        self._pending_done = {"recovered_s": _now() - self._t_assigned}
-        return plan.target_version + 1
-
-    def _report_done(self) -> None:
-        assert self._pending_done is not None and self.rank is not None
-        detail = {**self._pending_done, **self._timings.values, "bytes": self._timings.bytes_moved, "t_done": _now()}
-        put_counted(self.store, self.generation, "done", Keys.done(self.generation, self.rank), detail)
-        self._pending_done = None
+        """Run the survivor side of a migration (see ``core/migration.py``); returns the step to execute next."""
+        return self.migration.recover(cause)
 
     # ---- shutdown --------------------------------------------------------
     def finish(self) -> None:
-        if self._pending_done is not None:
+        if self.migration.done_pending:
             # A migration whose generation had no step left to execute: it is done all the same.
-            self._report_done()
+            self.migration.report_done()
         self.phase = "done"
-        if self._buddy is not None:
-            self._buddy.finishing = True
+        if self.buddy is not None:
+            self.buddy.finishing = True
         if self.config.telemetry.final_digest and self.provider is not None and self.rank is not None:
             self._write_final_digest()
 
@@ -712,7 +454,7 @@ class Runtime:
         assert self.rank is not None
         folder = Path(os.environ["TORCHPASS_RUN_DIR"]) / FINAL_DIGESTS
         folder.mkdir(parents=True, exist_ok=True)
-        record = {"rank": self.rank, "version": self.version, "pid": os.getpid(), "digest": fingerprint(self._capture())}
+        record = {"rank": self.rank, "version": self.version, "pid": os.getpid(), "digest": fingerprint(self.copier.capture(self.version))}
         tmp = folder / f"rank{self.rank}.json.tmp"
         tmp.write_text(json.dumps(record))
         os.replace(tmp, folder / f"rank{self.rank}.json")
