@@ -276,6 +276,10 @@ class Runtime:
         else:
             self.version = start_step - 1
             self.step = start_step
+            # Before the layout report: a rank lost before its first step start must
+            # still have its version's RNG and data position on record.
+            self._mirror_small("start", self.version, self.copier.small_state(), durable=True)
+            self._mirror.flush(self.config.report_timeout_s)
             components, classes = provider.state_components()
             captured = capture(components, classes, self.version)
             if layout.world_size != self.world_size:
@@ -300,6 +304,8 @@ class Runtime:
                 )
             )
             first = start_step
+            if self._chaos is not None:
+                self._chaos.fire("attach", start_step)
             self.publish_rankinfo(self.generation)
             self.protect()
         self._attached = True

@@ -314,3 +314,19 @@ def test_a_drain_caught_inside_the_commit_hands_over_its_snapshot(tmp_path: Path
     pids = run.active_pids()
     last = _check_success(run, reference_zero, pids, {1}, "planned", max_steps_lost=1)
     assert [s["copy"] for s in last["sources"]["1"]["from"]["optimizer"]] == ["snapshot"], last["sources"]
+
+
+def test_a_rank_killed_at_start_up_before_publishing_its_address(tmp_path: Path, reference: dict) -> None:
+    """Rank 1 dies right after attaching, before it publishes its buddy address.
+
+    With buddy copies on, its peers resolve where their first copy goes, which
+    needs that address; the wait must end with the generation (it used to last
+    for good: the peers never reported, were fenced, and the job was lost).
+    Plain DDP keeps replicas of everything, so the migration is qualifying; with
+    sharded state the same fault is disqualifying (no copy of the shard exists
+    before its first push), which the controller says at once.
+    """
+    run = launch(tmp_path, JOB, ARGS, extra=["--chaos", "kill_at_attach", "--set", "redundancy=buddy"])
+    pids = run.wait_active_pids(4)
+    last = _check_success(run, reference, pids, {1}, "kill")
+    assert last["failed_ranks"] == [1] and last["target_step"] == 1, last  # step 1 runs after the migration

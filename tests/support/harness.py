@@ -78,6 +78,17 @@ class JobRun:
     def active_pids(self) -> dict[int, int]:
         return {w["rank"]: w["pid"] for w in self.workers()["workers"] if w["role"] == "active"}
 
+    def wait_active_pids(self, n: int, timeout: float = 60.0) -> dict[int, int]:
+        """The PIDs of the first ``n`` active ranks, read as soon as the launcher lists them (before any fault)."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            path = self.run_dir / "workers.json"
+            pids = self.active_pids() if path.exists() else {}
+            if len(pids) >= n:
+                return pids
+            time.sleep(0.05)
+        raise AssertionError(f"the launcher did not list {n} active ranks within {timeout:.0f} s:\n{self.output()[-3000:]}")
+
     def output(self) -> str:
         return "\n".join(log.read_text(errors="replace") for log in self.logs if log.exists())
 
