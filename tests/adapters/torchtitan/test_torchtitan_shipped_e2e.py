@@ -30,9 +30,17 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import JobRun, RunOnce, assert_bitwise, fault_rng
+from tests.support.harness import JobRun, RunOnce, assert_bitwise, fault_rng, launch
 from tests.support.torchtitan.assets import Assets
-from tests.support.torchtitan.jobs import SHIPPED, checkpoint_digest, launch_titan, shipped_args, torchrun_titan
+from tests.support.torchtitan.jobs import (
+    ENTRY_POINT,
+    SHIPPED,
+    checkpoint_digest,
+    job_env,
+    launch_titan,
+    shipped_args,
+    torchrun_titan,
+)
 from tests.support.torchtitan.probe import KILL_IN_SAVE_ENV
 
 pytestmark = pytest.mark.e2e
@@ -156,6 +164,7 @@ def test_debug_model_sigkill_campaign(
     _sigkill_at_random(tmp_path, Job("debug_model", layout), references, assets, hf_cache, f"torchtitan-shipped-{layout}-{run_index}")
 
 
+@pytest.mark.skipif(CAMPAIGN_RUNS == 1, reason="runs with the acceptance campaign (TORCHPASS_TEST_TITAN_CAMPAIGN > 1)")
 def test_full_activation_checkpointing_sigkill(tmp_path: Path, references: References, assets: Assets, hf_cache: Path) -> None:
     # The shipped configs use selective AC (per layer in the debug config, per op in the 8B one); the third mode.
     job = Job("debug_model", "hsdp", ("--activation_checkpoint.mode", "full"))
@@ -223,13 +232,15 @@ def test_sigkill_inside_a_checkpoint_save(
 
 
 def _bad_job(tmp_path: Path, assets: Assets, hf_cache: Path, toml_tail: str, extra: tuple[str, ...] = ()) -> str:
-    """Launch the debug config with ``toml_tail`` replacing its section; return the output of the failed job."""
+    """Launch the debug config with ``toml_tail`` replacing its section; return the output of the failed job.
+
+    One rank and no spare: the section is read before TorchTitan looks at the world size."""
     toml = tmp_path / "job.toml"
     shipped = SHIPPED["debug_model"].read_text()
     toml.write_text(shipped[: shipped.rindex("[torchpass]")] + toml_tail)
     args = shipped_args("debug_model", "hsdp", assets, list(extra))
     args[args.index("--job.config_file") + 1] = str(toml)
-    run = launch_titan(tmp_path / "job", "hsdp", assets, hf_cache, args=args)
+    run = launch(tmp_path / "job", ENTRY_POINT, args, module=True, env=job_env(hf_cache), nproc=1, spares=0)
     try:
         assert run.wait(300) != 0, "the job should have failed at start-up"
     finally:
