@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 
 from . import comms
-from .control import Plan, Ready, Status, put_counted, Keys
+from .control import Keys, Plan, Ready, Status, put_counted
 from .liveness import STORE_LOST_EXIT
 from .state_copy import Timings
 from .transfer import TransferError
