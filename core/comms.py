@@ -46,6 +46,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -193,6 +194,51 @@ class _Transport:
         return count
 
 
+class _Graveyard:
+    """Released transports kept until gloo has nothing of theirs in flight, then let go.
+
+    Dropping a transport's last reference destroys its gloo group, closing its
+    sockets and ending its threads, but gloo's destructor waits for operations
+    still running. An operation whose message was in transfer when its sockets
+    were shut down is never signalled by gloo (the pair signals queued operations,
+    not the one being read or written) and ends only at gloo's own timeout, the
+    group's ``timeout``: its transport stays here until then. So the graveyard is
+    swept on every burial *and* by a thread that runs while it holds anything;
+    otherwise a transport that went quiet after the last migration would stay for
+    the rest of the job.
+    """
+
+    SWEEP_INTERVAL_S = 1.0
+    """How often the sweeper looks again; only while the graveyard is not empty."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._buried: list[_Transport] = []
+        self._sweeper: threading.Thread | None = None
+
+    def bury(self, transport: _Transport) -> None:
+        with self._lock:
+            self._buried = [t for t in self._buried if not t.pending.quiet()]
+            if not transport.pending.quiet():
+                self._buried.append(transport)
+            if self._buried and (self._sweeper is None or not self._sweeper.is_alive()):
+                self._sweeper = threading.Thread(target=self._sweep, name="torchpass-graveyard", daemon=True)
+                self._sweeper.start()
+
+    def _sweep(self) -> None:
+        while True:
+            time.sleep(self.SWEEP_INTERVAL_S)
+            with self._lock:
+                # A quiet transport's gloo group is destroyed here, outside the training thread.
+                self._buried = [t for t in self._buried if not t.pending.quiet()]
+                if not self._buried:
+                    self._sweeper = None
+                    return
+
+
+_graveyard = _Graveyard()
+
+
 def _completed(result: Any) -> dist.Work:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(result)
@@ -251,7 +297,6 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         self.global_ranks = list(global_ranks)
         self._op_timeout = op_timeout
         self._transport: _Transport | None = None
-        self._graveyard: list[_Transport] = []
         self.generation = -1
         self._scripted_broadcasts: list[torch.Tensor] = []
         with _registry_lock:
@@ -297,25 +342,15 @@ class RebuildableProcessGroup(dist.ProcessGroup):
             self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, transport.backend)
             self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         if self._transport is not None:
-            self._bury(self._transport)
+            _graveyard.bury(self._transport)
         self._transport = transport
         self.generation = generation
-
-    def _bury(self, transport: _Transport) -> None:
-        """Keep a released transport while gloo may still run an operation of it; let the quiet ones go.
-
-        Dropping the last reference destroys the gloo group, closing its sockets and
-        ending its threads, but its destructor waits for operations still running: an
-        abandoned one runs until gloo's own timeout, so its transport stays here until then.
-        """
-        self._graveyard.append(transport)
-        self._graveyard = [t for t in self._graveyard if not t.pending.quiet()]
 
     def go_local(self) -> None:
         """Answer collectives locally (a spare before it joins)."""
         if self._transport is not None:
             self._transport.release("the group went local")
-            self._bury(self._transport)
+            _graveyard.bury(self._transport)
         self._transport = None
         if self.generation < 0:
             fake = FakeProcessGroup._create_internal(self._rank, self._size)

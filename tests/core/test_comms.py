@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 from datetime import timedelta
 
 import pytest
@@ -197,6 +198,45 @@ def test_release_of_a_local_group_is_a_no_op(group):
     assert group.release() == 0
     group.go_local()  # idempotent
     assert group.is_local
+
+
+class _Pending:
+    def __init__(self) -> None:
+        self.in_flight = True
+
+    def quiet(self) -> bool:
+        return not self.in_flight
+
+
+class _Released:
+    """A released transport as the graveyard sees it: gone once gloo has nothing of it in flight."""
+
+    def __init__(self) -> None:
+        self.pending = _Pending()
+
+
+def test_the_graveyard_lets_a_transport_go_once_gloo_ends_its_last_operation_without_another_burial(monkeypatch):
+    import weakref
+
+    monkeypatch.setattr(comms._Graveyard, "SWEEP_INTERVAL_S", 0.02)
+    graveyard = comms._Graveyard()
+    caught = _Released()  # an operation caught mid-message: it ends at gloo's timeout, long after the release
+    quiet = _Released()
+    quiet.pending.in_flight = False
+    refs = [weakref.ref(caught), weakref.ref(quiet)]
+    graveyard.bury(caught)  # type: ignore[arg-type]
+    graveyard.bury(quiet)  # type: ignore[arg-type]
+    pending = caught.pending
+    del caught, quiet
+    assert refs[1]() is None  # nothing in flight: never kept
+    time.sleep(0.2)
+    assert refs[0]() is not None  # destroying it now would block on gloo's running operation
+    pending.in_flight = False  # gloo's timeout ends it; no migration follows
+    deadline = time.time() + 5
+    while (refs[0]() is not None or graveyard._sweeper is not None) and time.time() < deadline:
+        time.sleep(0.02)
+    assert refs[0]() is None
+    assert graveyard._sweeper is None  # the sweeper runs only while the graveyard holds something
 
 
 def test_groups_created_under_the_local_default_start_local():

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ def main() -> None:
     p.add_argument("--spare-setup-sleep", type=float, default=0.0, help="a spare's set-up takes this much longer")
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer (per-rank running statistics)")
     p.add_argument("--no-broadcast-buffers", action="store_true", help="DDP(broadcast_buffers=False): ranks' buffers never sync")
+    p.add_argument("--pg-timeout-s", type=float, default=0.0, help="the process group's timeout (0: torch's default)")
     p.add_argument("--bug-at", default="", help="RANK:STEP: that rank raises a script error mentioning gloo at that step, every time")
     args = p.parse_args()
     work = Path(args.workdir)
@@ -46,7 +48,7 @@ def main() -> None:
 
     if os.environ.get("TORCHPASS_ROLE") == "spare":
         time.sleep(args.spare_setup_sleep)  # a big model's construction: the migration stays in its joining phase
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", **({"timeout": timedelta(seconds=args.pg_timeout_s)} if args.pg_timeout_s else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1234)
