@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import secrets
 import time
 from pathlib import Path
 
@@ -40,9 +41,9 @@ def _state(nbytes: int) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, s
     return components, {"params": "params", "exp_avg": "optimizer", "exp_avg_sq": "optimizer"}
 
 
-def _source(address_q: "mp.Queue[tuple[str, int]]", done: "mp.Event", nbytes: int) -> None:
+def _source(address_q: "mp.Queue[tuple[str, int]]", done: "mp.Event", nbytes: int, secret: bytes) -> None:
     components, classes = _state(nbytes)
-    server = StateServer()
+    server = StateServer(secret=secret)
     server.publish(capture(components, classes, version=1))
     address_q.put(server.address)
     done.wait()
@@ -53,7 +54,8 @@ def measure(nbytes: int, repeats: int) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     address_q: mp.Queue[tuple[str, int]] = ctx.Queue()
     done = ctx.Event()
-    source = ctx.Process(target=_source, args=(address_q, done, nbytes), daemon=True)
+    secret = secrets.token_hex(16).encode()
+    source = ctx.Process(target=_source, args=(address_q, done, nbytes, secret), daemon=True)
     source.start()
     address = address_q.get()
     tcp = max(loopback_tcp(nbytes)["touched"] for _ in range(repeats))
@@ -61,7 +63,7 @@ def measure(nbytes: int, repeats: int) -> dict[str, float]:
     for _ in range(repeats):
         pool = ReceivePool(int(nbytes * 1.05))
         t0 = time.perf_counter()
-        _, _, stats = fetch_state([(address, "live")], 1, pool=pool)
+        _, _, stats = fetch_state([(address, "live")], 1, pool=pool, secret=secret)
         elapsed = time.perf_counter() - t0
         moved = stats.nbytes
         best = max(best, stats.nbytes / elapsed / 1e9)

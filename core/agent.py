@@ -44,8 +44,9 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import Subproc
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from .config import TorchPassConfig, config_from_mapping
-from .control import Heartbeat, Keys, Mailbox, Report, put_pickle, try_get
+from .control import Heartbeat, Keys, Mailbox, Report, put, try_get
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error
+from .job_secret import SECRET_ENV
 from .liveness import STORE_LOST_EXIT, BeatWatch, StoreWatchdog
 
 __all__ = ["Agent", "NodeSpec"]
@@ -88,8 +89,9 @@ class _Worker:
 class Agent:
     """Owns the worker processes of one node (see the module docstring)."""
 
-    def __init__(self, spec: NodeSpec, store: dist.Store, config: TorchPassConfig, say: Callable[[str], None]):
+    def __init__(self, spec: NodeSpec, store: dist.Store, config: TorchPassConfig, say: Callable[[str], None], secret: bytes):
         self.spec = spec
+        self._secret = secret
         self.store = store
         self.config = config
         self.say = say
@@ -111,7 +113,7 @@ class Agent:
             ),
             name="torchpass-agent-store-watchdog",
         )
-        put_pickle(store, f"{Keys.node_mail(spec.node)}/info", {"pid": os.getpid(), "host": os.uname().nodename})
+        put(store, f"{Keys.node_mail(spec.node)}/info", {"pid": os.getpid(), "host": os.uname().nodename})
 
     # ---- process start --------------------------------------------------------------
     def _env(self, wid: str, role: str, rank: int | None, local_rank: int) -> dict[str, str]:
@@ -143,6 +145,8 @@ class Agent:
             "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCHELASTIC_ERROR_FILE": str(self.log_dir / f"{wid}.error.json"),
             "PYTHONUNBUFFERED": "1",
+            # In the environment, never on the command line (`ps` shows that to every user): job_secret.py.
+            SECRET_ENV: self._secret.decode(),
         }
         if rank is not None:
             env.update({"RANK": str(rank), "ROLE_RANK": str(rank)})

@@ -78,6 +78,7 @@ class BuddyKeeper:
         chunk_bytes: int,
         retries: int,
         timeout: float,
+        secret: bytes,
         publish: Callable[[Captured, str], None],
         withdraw: Callable[[str, int], None],
     ):
@@ -86,6 +87,7 @@ class BuddyKeeper:
         self._chunk_bytes = chunk_bytes
         self._retries = retries
         self._timeout = timeout
+        self._secret = secret
         self._publish = publish
         self._withdraw = withdraw
         self._cv = threading.Condition()
@@ -196,6 +198,7 @@ class BuddyKeeper:
                         chunk_bytes=self._chunk_bytes,
                         retries=self._retries,
                         timeout=self._timeout,
+                        secret=self._secret,
                     )
             except (TransferError, OSError) as exc:
                 # The buddy is gone (it failed, hangs, or is being replaced): this version is

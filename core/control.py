@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterator, TypeVar
 
 import torch.distributed as dist
+
+from . import safe_pickle
 
 __all__ = [
     "Keys",
@@ -380,14 +381,16 @@ class Mailbox:
             self._missing_since = None
 
 
-def put_pickle(store: dist.Store, key: str, obj: Any) -> None:
-    store.set(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+def put_object(store: dist.Store, key: str, obj: Any) -> None:
+    """Write an object JSON cannot hold (tensors, RNG states) as a :mod:`~torchpass.core.safe_pickle`."""
+    store.set(key, safe_pickle.dumps(obj))
 
 
-def get_pickle(store: dist.Store, key: str) -> Any | None:
+def get_object(store: dist.Store, key: str) -> Any | None:
+    """Read what ``put_object`` wrote (None when absent); never runs code named by the bytes it reads."""
     if not store.check([key]):
         return None
-    return pickle.loads(store.get(key))
+    return safe_pickle.loads(store.get(key))
 
 
 MIRROR_SLOTS = 3
@@ -398,7 +401,7 @@ def read_mirror(store: dist.Store, rank: int) -> dict[int, dict[str, Any]]:
     """A rank's mirrored small-state records by version (the newest ``MIRROR_SLOTS`` versions)."""
     out = {}
     for slot in range(MIRROR_SLOTS):
-        record = get_pickle(store, Keys.mirror(rank, slot))
+        record = get_object(store, Keys.mirror(rank, slot))
         if record is not None:
             out[record["version"]] = record
     return out

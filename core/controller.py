@@ -54,7 +54,6 @@ from .control import (
     WorkerRecord,
     check_all,
     gather,
-    get_pickle,
     multi_get,
     present,
     put,
@@ -175,7 +174,7 @@ class Controller:
         rows = [dict(vars(rec)) for _, rec in sorted(self.records.items())]
         for n in range(self.spec.nnodes):
             if self._node_info.get(n) is None:
-                self._node_info[n] = get_pickle(self.store, f"{Keys.node_mail(n)}/info")
+                self._node_info[n] = try_get(self.store, f"{Keys.node_mail(n)}/info", dict)
         nodes = {str(n): info for n, info in self._node_info.items()}
         data = {
             "generation": self.generation,

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from . import job_secret
 from .agent import Agent, NodeSpec
 from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario
 from .control import Keys, Mailbox, Report
@@ -61,6 +62,12 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config field (repeatable)")
     t.add_argument("--chaos", default=None, help="a chaos scenario from configs/chaos (deterministic fault injection)")
     t.add_argument("--quiet", action="store_true", help="do not copy worker output to this console")
+    t.add_argument(
+        "--secret-file",
+        "--secret_file",
+        default=None,
+        help=f"a file holding the job secret, the same on every node (else ${job_secret.SECRET_ENV}; a single-node job generates one)",
+    )
     p.add_argument("training_script", help="the script (or module with -m) to run on every rank")
     p.add_argument("training_script_args", nargs=argparse.REMAINDER)
 
@@ -184,6 +191,10 @@ def _launch(args: argparse.Namespace) -> int:
         port = int(port_s)
     else:
         host, port = args.master_addr, args.master_port
+    try:
+        secret, secret_from = job_secret.for_launch(args.secret_file, nnodes)
+    except job_secret.SecretError as exc:
+        raise LaunchError(str(exc)) from None
     join_timeout = float(_rdzv_conf(args.rdzv_conf).get("join_timeout", 600))
     run_dir = Path(args.run_dir or config.run_dir).resolve()
     say = _Console(args.node_rank, config.telemetry.console)
@@ -215,7 +226,7 @@ def _launch(args: argparse.Namespace) -> int:
         controller = Controller(
             store, job, run_dir, config, say, lambda wid, node: mail[node].post({"fence": wid}) if node in mail else None, f"{host}:{port}"
         )
-    agent = Agent(spec, store, config, say)
+    agent = Agent(spec, store, config, say, secret)
     stop = {"signals": 0}
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -225,7 +236,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    say(f"starting {nproc} worker(s) and {spares} spare(s) on node {args.node_rank} of {nnodes}; run dir {run_dir}")
+    say(f"starting {nproc} worker(s) and {spares} spare(s) on node {args.node_rank} of {nnodes}; run dir {run_dir}; job secret: {secret_from}")
     agent.start()
     events = Mailbox(store, Keys.events)
     draining = False

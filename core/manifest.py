@@ -8,7 +8,9 @@ a framework object. :func:`capture` flattens it into
   (name, dtype, shape, byte size, the state class it belongs to), referencing
   the live storage: capture copies nothing;
 * a *skeleton*: the nested structure with every tensor replaced by its index,
-  pickled. It holds the small objects (step counters, hyper-parameters).
+  written with :mod:`~torchpass.core.safe_pickle` (a receiver rebuilds it
+  without running code). It holds the small objects (step counters,
+  hyper-parameters).
 
 :func:`rebuild` is the inverse on the receiving side, after the transfer has
 filled the receiver's buffers. :func:`fingerprint` hashes the tensor bytes
@@ -19,13 +21,14 @@ one is copied from the other.
 from __future__ import annotations
 
 import hashlib
-import pickle
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
+
+from . import safe_pickle
 
 __all__ = [
     "TensorEntry",
@@ -40,6 +43,7 @@ __all__ = [
 ]
 
 
+@safe_pickle.allow
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of a manifest."""
@@ -51,6 +55,7 @@ class TensorEntry:
     state_class: str
 
 
+@safe_pickle.allow
 @dataclass
 class Manifest:
     """Everything a receiver needs to allocate buffers and rebuild the state."""
@@ -73,6 +78,7 @@ class Captured:
     tensors: list[torch.Tensor]
 
 
+@safe_pickle.allow
 class _Ref:
     __slots__ = ("index",)
 
@@ -135,7 +141,7 @@ def capture(components: Mapping[str, Any], state_classes: Mapping[str, str], ver
         return obj
 
     skeleton = {name: walk(value, name, state_classes.get(name, "small")) for name, value in components.items()}
-    manifest = Manifest(entries, pickle.dumps(skeleton, protocol=pickle.HIGHEST_PROTOCOL), version, dict(meta or {}))
+    manifest = Manifest(entries, safe_pickle.dumps(skeleton), version, dict(meta or {}))
     return Captured(manifest, tensors)
 
 
@@ -155,7 +161,7 @@ def rebuild(manifest: Manifest, tensors: list[torch.Tensor]) -> dict[str, Any]:
             return tuple(walk(v) for v in obj)
         return obj
 
-    return walk(pickle.loads(manifest.skeleton))
+    return walk(safe_pickle.loads(manifest.skeleton))
 
 
 def tensor_crcs(captured: Captured) -> list[int]:

@@ -6,8 +6,9 @@ a record at each step start (version k-1) and when each backward begins
 (version k, made durable before the rank's next collective: see
 ``Runtime.backward_started``); this thread writes them off the training thread,
 one store key per version slot (``MIRROR_SLOTS`` of them), newest first wins.
-Records must hold copies, never live tensors: they are pickled here while the
-training thread goes on.
+Records must hold copies, never live tensors: they are serialized here (as
+:mod:`~torchpass.core.safe_pickle`, which readers load without running code)
+while the training thread goes on.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .control import MIRROR_SLOTS, Keys, connect, put_pickle
+from .control import MIRROR_SLOTS, Keys, connect, put_object
 
 __all__ = ["SmallStateMirror"]
 
@@ -69,7 +70,7 @@ class SmallStateMirror(threading.Thread):
                 self._pending.clear()
             try:
                 for slot, (_, record) in batch:
-                    put_pickle(self._store, Keys.mirror(self._rank, slot), record)
+                    put_object(self._store, Keys.mirror(self._rank, slot), record)
             except BaseException as exc:  # surfaced to the training thread by flush()
                 with self._cv:
                     self.error = exc

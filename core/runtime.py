@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import comms
+from . import comms, job_secret
 from .adapter import SMALL_CLASS, StateProvider
 from .buddy import BuddyKeeper, GateReleased
 from .buddy_routing import BuddyRouting, GenerationEnded
@@ -122,7 +122,10 @@ class Runtime:
         """Captures and loads this rank's state; set once attached."""
         self.migration = Migration(self)
         self._push_gate = False
+        self.secret = job_secret.from_worker_env()
+        """The job secret: every state-channel connection proves it (``core/handshake.py``)."""
         self.server = StateServer(
+            secret=self.secret,
             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host(),
             hold_into=lambda src, manifest: self._holder().hold_into(src, manifest),
             on_held=lambda src, captured: self._holder().on_held(src, captured),
@@ -258,6 +261,7 @@ class Runtime:
                 chunk_bytes=self.config.transfer_chunk_bytes,
                 retries=self.config.transfer_retries,
                 timeout=self.config.rebuild_timeout_s,
+                secret=self.secret,
                 publish=lambda captured, copy: self.server.publish(captured, copy),
                 withdraw=self.server.withdraw,
             )
@@ -269,7 +273,7 @@ class Runtime:
                 flush=True,
             )
         self._routing = BuddyRouting(self.store, self.rank, self.world_size)
-        self.copier = StateCopier(self.rank, provider, data, self.config, self.store, self.buddy, lambda: self._pool)
+        self.copier = StateCopier(self.rank, provider, data, self.config, self.store, self.buddy, lambda: self._pool, self.secret)
         if self.role == "spare":
             assert self._plan is not None
             first = self.migration.join(self._plan, self._t_assigned)

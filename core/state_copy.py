@@ -65,6 +65,7 @@ class StateCopier:
         store: dist.Store,
         buddy: BuddyKeeper | None,
         pool: Callable[[], ReceivePool | None],
+        secret: bytes,
     ):
         self.rank = rank
         self.provider = provider
@@ -73,6 +74,7 @@ class StateCopier:
         self._store = store
         self._buddy = buddy
         self._pool = pool
+        self._secret = secret
 
     # ---- small state ---------------------------------------------------------
     def small_state(self, rng: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -150,6 +152,7 @@ class StateCopier:
                 state_classes=classes,
                 into=self.capture(target),
                 pool=self._pool(),
+                secret=self._secret,
             )
             timings.bytes_moved += stats.nbytes
             timings.add("fetch", stats.seconds)

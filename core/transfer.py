@@ -4,8 +4,13 @@ The transfer runs on sockets rather than on the freshly rebuilt gloo groups:
 gloo was measured at ~0.5 GB/s for the first GiB on a new group against
 ~5 GB/s for a warm loopback socket, and a migration always runs cold.
 
-Protocol, per connection (every message is an 8-byte length then a body):
+Protocol, per connection (after the handshake, every message is an 8-byte length then a body):
 
+0. both ends prove they hold the job secret (:mod:`~torchpass.core.handshake`)
+   before any other byte: a process without it reads no state and pushes no
+   buddy copy; manifests travel as :mod:`~torchpass.core.safe_pickle`, which
+   cannot run code when loaded, and every frame is checked against the
+   receiver's buffers before a byte lands;
 1. the receiver asks a source for its :class:`~torchpass.core.manifest.Manifest`
    at an expected version (and, when verifying replicas, for its fingerprint);
 2. it allocates buffers and deals the chunks out over all sources, which then
@@ -26,7 +31,6 @@ import concurrent.futures
 import json
 import math
 import mmap
-import pickle
 import queue
 import socket
 import struct
@@ -38,8 +42,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from . import handshake, safe_pickle
 from .comms import socket_creation_lock
-from .manifest import Captured, Manifest, fingerprint, tensor_bytes, tensor_crcs
+from .manifest import Captured, Manifest, TensorEntry, fingerprint, tensor_bytes, tensor_crcs
 
 __all__ = ["Address", "ReceivePool", "Source", "StateServer", "TransferError", "TransferStats", "fetch_state", "push_state"]
 
@@ -49,6 +54,9 @@ Source = tuple[Address, str]
 _FRAME = struct.Struct("!IQII")
 _END = 0xFFFFFFFF
 _SOCKET_BUFFER = 8 << 20
+MAX_MESSAGE_BYTES = 1 << 30
+"""The largest request, reply or manifest a peer may announce: a manifest lists one entry per tensor
+(~100 bytes each), so this leaves room for millions of tensors while a bad length cannot claim all memory."""
 
 
 class TransferError(RuntimeError):
@@ -85,7 +93,10 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
 def _recv_msg(sock: socket.socket) -> bytes:
     header = bytearray(8)
     _recv_exact(sock, memoryview(header))
-    body = bytearray(int.from_bytes(header, "little"))
+    length = int.from_bytes(header, "little")
+    if length > MAX_MESSAGE_BYTES:
+        raise TransferError(f"the peer announced a {length}-byte message; at most {MAX_MESSAGE_BYTES} are accepted")
+    body = bytearray(length)
     _recv_exact(sock, memoryview(body))
     return bytes(body)
 
@@ -163,6 +174,8 @@ def _receive_frames(sock: socket.socket, views: list[memoryview], bad: list[Chun
             index, offset, length, crc = _FRAME.unpack(header)
             if index == _END:
                 break
+            if index >= len(views) or offset + length > len(views[index]):
+                raise TransferError(f"a frame for bytes {offset}..{offset + length} of tensor {index} lies outside the manifest")
             _recv_exact(sock, views[index][offset : offset + length])
             verify.put(((index, offset, length), crc))
             received += length
@@ -170,6 +183,25 @@ def _receive_frames(sock: socket.socket, views: list[memoryview], bad: list[Chun
         verify.put(None)
         checker.join()
     return received
+
+
+def _load_manifest(raw: bytes) -> Manifest:
+    """A peer's manifest, rebuilt without running code and checked before anything is allocated from it."""
+    try:
+        manifest = safe_pickle.loads(raw)
+    except (safe_pickle.ForbiddenObject, ValueError, TypeError, EOFError, AttributeError) as exc:
+        raise TransferError(f"the peer sent a manifest that cannot be loaded safely: {exc}") from None
+    if not isinstance(manifest, Manifest):
+        raise TransferError(f"the peer sent a {type(manifest).__name__} where a manifest belongs")
+    for e in manifest.entries:
+        dtype = getattr(torch, str(e.dtype), None) if isinstance(e, TensorEntry) else None
+        if (
+            not isinstance(dtype, torch.dtype)
+            or not all(isinstance(n, int) and n >= 0 for n in e.shape)
+            or e.nbytes != math.prod(e.shape) * torch.empty((), dtype=dtype).element_size()
+        ):
+            raise TransferError(f"the peer's manifest has an inconsistent entry {str(e)[:200]}")
+    return manifest
 
 
 HeldCallback = Callable[[int, Captured], None]
@@ -189,6 +221,8 @@ class StateServer:
 
     def __init__(
         self,
+        *,
+        secret: bytes,
         host: str = "127.0.0.1",
         corrupt: Callable[[Chunk, memoryview], bytes | None] | None = None,
         on_held: HeldCallback | None = None,
@@ -205,7 +239,10 @@ class StateServer:
         self._on_held = on_held
         self._hold_into = hold_into
         self._closed = False
+        self._secret = secret
         self.served_bytes = 0
+        self.refused = 0
+        """Connections closed because the client did not prove the job secret."""
         threading.Thread(target=self._accept_loop, name="torchpass-state-server", daemon=True).start()
 
     def publish(self, captured: Captured | None, copy: str = "live") -> None:
@@ -260,22 +297,29 @@ class StateServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
+            try:
+                handshake.accept(conn, self._secret)
+            except (handshake.HandshakeError, OSError) as exc:
+                self.refused += 1
+                if self.refused == 1:  # later ones are counted, not logged: a scanner must not flood the log
+                    print(f"[torchpass] state server {self.address[0]}:{self.address[1]}: refused a connection: {exc}", flush=True)
+                return
             while True:
                 try:
                     request = json.loads(_recv_msg(conn))
-                except (ConnectionError, OSError, ValueError):
-                    return  # the peer went away; nothing to clean up beyond the socket
+                except (ConnectionError, OSError, ValueError, TransferError):
+                    return  # the peer went away or sent nonsense; nothing to clean up beyond the socket
                 op = request.get("op")
                 if op == "bye":
                     return
                 try:
                     if op == "hold":
                         # A pusher that dies mid-copy leaves the slot incomplete; it is never installed.
-                        self._receive_hold(conn, int(request["src"]), pickle.loads(_recv_msg(conn)))
+                        self._receive_hold(conn, int(request["src"]), _load_manifest(_recv_msg(conn)))
                         continue
                     captured = self._lookup(request.get("copy", "live"), int(request["version"]))
                     if op == "manifest":
-                        _send_msg(conn, b"ok" + pickle.dumps(captured.manifest))
+                        _send_msg(conn, b"ok" + safe_pickle.dumps(captured.manifest))
                     elif op == "fingerprint":
                         classes = set(request["classes"]) if request.get("classes") is not None else None
                         digest = self._fingerprint(request.get("copy", "live"), int(request["version"]), captured, classes)
@@ -309,11 +353,16 @@ class StateServer:
 
 
 class _SourceConnection:
-    def __init__(self, address: Address, timeout: float):
+    def __init__(self, address: Address, timeout: float, secret: bytes):
         with socket_creation_lock:
             self.sock = socket.create_connection(address, timeout=timeout)
         _tune(self.sock, timeout)
         self.address = address
+        try:
+            handshake.connect(self.sock, secret)
+        except (handshake.HandshakeError, OSError) as exc:
+            self.sock.close()
+            raise TransferError(f"{address[0]}:{address[1]}: {exc}") from None
 
     def request(self, body: dict[str, Any]) -> bytes:
         _send_msg(self.sock, json.dumps(body).encode())
@@ -399,6 +448,7 @@ def fetch_state(
     state_classes: set[str] | None = None,
     into: Captured | None = None,
     pool: "ReceivePool | None" = None,
+    secret: bytes,
 ) -> tuple[Manifest, list[torch.Tensor], TransferStats]:
     """Fetch the state at ``version`` from ``sources`` (replicas of each other), striped over all of them.
 
@@ -416,10 +466,10 @@ def fetch_state(
     if not sources:
         raise TransferError("no source to fetch state from")
     start = time.perf_counter()
-    conns = [_SourceConnection(a, timeout) for a, _ in sources]
+    conns = [_SourceConnection(a, timeout, secret) for a, _ in sources]
     copies = [copy for _, copy in sources]
     try:
-        manifest: Manifest = pickle.loads(conns[0].request({"op": "manifest", "copy": copies[0], "version": version}))
+        manifest = _load_manifest(conns[0].request({"op": "manifest", "copy": copies[0], "version": version}))
         if verify_replicas and len(conns) > 1:
             classes = sorted(state_classes) if state_classes else None
             with concurrent.futures.ThreadPoolExecutor(len(conns)) as pool_:
@@ -475,16 +525,18 @@ def fetch_state(
             c.close()
 
 
-def push_state(address: Address, src: int, captured: Captured, *, chunk_bytes: int, retries: int, timeout: float) -> int:
+def push_state(
+    address: Address, src: int, captured: Captured, *, chunk_bytes: int, retries: int, timeout: float, secret: bytes
+) -> int:
     """Send ``captured`` (a buddy copy of rank ``src``) to the rank holding it; returns bytes sent.
 
     The holder verifies every chunk and asks again for the ones that fail, up to
     ``retries`` rounds; it installs the copy only once every chunk is verified.
     """
-    conn = _SourceConnection(address, timeout)
+    conn = _SourceConnection(address, timeout, secret)
     try:
         _send_msg(conn.sock, json.dumps({"op": "hold", "src": src, "version": captured.manifest.version}).encode())
-        _send_msg(conn.sock, pickle.dumps(captured.manifest))
+        _send_msg(conn.sock, safe_pickle.dumps(captured.manifest))
         reply = _recv_msg(conn.sock)
         if reply[:2] != b"ok":
             raise TransferError(f"holder {address[0]}:{address[1]}: {reply[2:].decode()}")

@@ -17,10 +17,12 @@ import torch
 from torchpass.core.buddy import BuddyKeeper, GateReleased
 from torchpass.core.manifest import capture
 
+from tests.support.secret import SECRET
+
 
 def _keeper(timeout: float = 3600.0) -> BuddyKeeper:
     return BuddyKeeper(
-        rank=0, classes_to_push={"optimizer"}, chunk_bytes=1 << 20, retries=1, timeout=timeout,
+        rank=0, classes_to_push={"optimizer"}, chunk_bytes=1 << 20, retries=1, timeout=timeout, secret=SECRET,
         publish=lambda captured, copy: None, withdraw=lambda copy, version: None,
     )  # fmt: skip
 
@@ -89,7 +91,7 @@ def test_a_delivered_copy_opens_the_gate() -> None:
     holder = _keeper()
     from torchpass.core.transfer import StateServer
 
-    server = StateServer(host="127.0.0.1", hold_into=holder.hold_into, on_held=holder.on_held)
+    server = StateServer(secret=SECRET, host="127.0.0.1", hold_into=holder.hold_into, on_held=holder.on_held)
     try:
         keeper = _keeper()
         keeper.start(_state(7), server.address)
@@ -104,7 +106,7 @@ def test_a_new_push_supersedes_the_failure_of_the_one_before(silent_holder: tupl
     holder = _keeper()
     from torchpass.core.transfer import StateServer
 
-    server = StateServer(host="127.0.0.1", hold_into=holder.hold_into, on_held=holder.on_held)
+    server = StateServer(secret=SECRET, host="127.0.0.1", hold_into=holder.hold_into, on_held=holder.on_held)
     try:
         keeper = _keeper()
         keeper.start(_state(4), ("127.0.0.1", _free_port()))  # the old buddy is dead
@@ -129,7 +131,7 @@ def test_a_copy_is_listed_as_held_before_its_push_is_acknowledged() -> None:
         time.sleep(0.5)  # the holder thread is descheduled right after the last chunk arrived
         holder.on_held(src, captured)
 
-    server = StateServer(host="127.0.0.1", hold_into=holder.hold_into, on_held=slow_on_held)
+    server = StateServer(secret=SECRET, host="127.0.0.1", hold_into=holder.hold_into, on_held=slow_on_held)
     try:
         keeper = _keeper()
         keeper.start(_state(9), server.address)

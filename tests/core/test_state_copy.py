@@ -14,6 +14,8 @@ from torchpass.core.rng import capture_rng, restore_rng
 from torchpass.core.state_copy import StateCopier, Timings
 from torchpass.core.transfer import StateServer, TransferError
 
+from tests.support.secret import SECRET
+
 
 class TinyProvider:
     """A linear model and SGD with momentum, classed as the plain API classes them."""
@@ -40,7 +42,7 @@ class TinyProvider:
 
 
 def copier(provider: TinyProvider, rank: int) -> StateCopier:
-    return StateCopier(rank, provider, None, TorchPassConfig(), dist.HashStore(), None, lambda: None)
+    return StateCopier(rank, provider, None, TorchPassConfig(), dist.HashStore(), None, lambda: None, SECRET)
 
 
 def plan_from(address: tuple[str, int]) -> Plan:
@@ -51,7 +53,7 @@ def plan_from(address: tuple[str, int]) -> Plan:
 @pytest.fixture
 def source():
     provider = TinyProvider(seed=0)
-    server = StateServer()
+    server = StateServer(secret=SECRET)
     rng = capture_rng()
     server.publish(copier(provider, 0).capture(5))
     yield provider, server, rng

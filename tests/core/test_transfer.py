@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import os
+import pickle
+import socket
 import time
 from collections import OrderedDict
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from torchpass.core import handshake
 from torchpass.core.manifest import capture, fingerprint, rebuild, state_digest, tensor_bytes
-from torchpass.core.transfer import ReceivePool, StateServer, TransferError, fetch_state
+from torchpass.core.transfer import ReceivePool, StateServer, TransferError, fetch_state, push_state
+
+from tests.support.secret import SECRET
 
 CHUNK = 16 << 10
 CLASSES = {"model": "params", "optimizer": "optimizer"}
@@ -40,7 +49,7 @@ def servers():
     made: list[StateServer] = []
 
     def make(**kw) -> StateServer:
-        server = StateServer(**kw)
+        server = StateServer(secret=SECRET, **kw)
         made.append(server)
         return server
 
@@ -63,6 +72,7 @@ def src(server: StateServer, copy: str = "live"):
 def fetch(sources, version: int = 5, **kw):
     kw.setdefault("chunk_bytes", CHUNK)
     kw.setdefault("timeout", 20.0)
+    kw.setdefault("secret", SECRET)
     return fetch_state([src(s) for s in sources], version, **kw)
 
 
@@ -292,7 +302,7 @@ def test_publishing_a_new_live_version_replaces_the_old_one(servers):
 
 def test_no_sources():
     with pytest.raises(TransferError, match="no source"):
-        fetch_state([], 5)
+        fetch_state([], 5, secret=SECRET)
 
 
 def test_unreachable_source_is_an_error():
@@ -301,7 +311,7 @@ def test_unreachable_source_is_an_error():
     with socket.socket() as bound:  # bound, never listening: connections are refused
         bound.bind(("127.0.0.1", 0))
         with pytest.raises(ConnectionRefusedError):
-            fetch_state([(bound.getsockname(), "live")], 5, timeout=5.0)
+            fetch_state([(bound.getsockname(), "live")], 5, timeout=5.0, secret=SECRET)
 
 
 def test_verify_replicas_detects_disagreeing_replicas(servers):
@@ -321,3 +331,95 @@ def test_fingerprints_served_match_the_local_ones(servers):
     twin, _ = serve(servers, make_state())
     fetch([server, twin], verify_replicas=True)  # agrees
     assert fingerprint(captured) == fingerprint(capture(make_state(), CLASSES, version=5))
+
+
+# ---- strangers at the port: no state out, no state in, no code run -------------------------
+
+def _stranger(server: StateServer) -> socket.socket:
+    return socket.create_connection(server.address, timeout=10)
+
+
+def _closed_without_a_reply(sock: socket.socket) -> bool:
+    data = b""
+    try:
+        while chunk := sock.recv(1 << 16):
+            data += chunk
+    except ConnectionResetError:  # closed with our unread bytes in its buffer: the kernel resets
+        pass
+    return data == b""
+
+
+@pytest.mark.parametrize("copy", ["live", "snapshot", "held:1"])
+def test_a_client_without_the_secret_gets_no_byte_of_any_copy(servers, copy):
+    server = servers()
+    captured = capture(make_state(), CLASSES, version=5)
+    server.publish(captured, copy)
+    with pytest.raises(TransferError, match="server's proof|closed the connection"):
+        fetch_state([(server.address, copy)], 5, timeout=10.0, secret=b"not-the-job-secret-000000")
+    # By hand: the nonce, a made-up proof, then the request a client would send.
+    with _stranger(server) as sock:
+        nonce = sock.recv(64)
+        assert len(nonce) == 32
+        sock.sendall(b"\0" * 64 + b"\x20\0\0\0\0\0\0\0" + b'{"op": "chunks", "copy": "live", "version": 5}')
+        assert _closed_without_a_reply(sock)
+    assert server.served_bytes == 0 and server.refused == 2
+
+
+def test_a_hold_push_without_the_secret_installs_nothing(servers):
+    held: list[int] = []
+    server = servers(hold_into=lambda src, manifest: [torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in manifest.entries],
+                     on_held=lambda src, captured: held.append(src))  # fmt: skip
+    forged = capture(make_state(seed=9), CLASSES, version=6)
+    with pytest.raises(TransferError):
+        push_state(server.address, 1, forged, chunk_bytes=CHUNK, retries=0, timeout=10.0, secret=b"not-the-job-secret-000000")
+    assert held == [] and server.refused == 1
+    push_state(server.address, 1, forged, chunk_bytes=CHUNK, retries=0, timeout=10.0, secret=SECRET)
+    assert held == [1]  # the job's own push still lands
+
+
+def test_a_pickle_that_would_run_code_is_never_loaded_even_from_a_peer_with_the_secret(servers, tmp_path):
+    canary = tmp_path / "canary"
+
+    class Hostile:
+        def __reduce__(self):
+            return (os.system, (f"touch {canary}",))
+
+    server = servers(hold_into=lambda src, manifest: [], on_held=lambda src, captured: None)
+    sock = socket.create_connection(server.address, timeout=10)
+    with sock:
+        handshake.connect(sock, SECRET)
+        for body in (json.dumps({"op": "hold", "src": 1, "version": 1}).encode(), pickle.dumps(Hostile())):
+            sock.sendall(len(body).to_bytes(8, "little") + body)
+        reply = sock.recv(1 << 16)
+    assert reply[8:10] == b"er" and b"cannot be loaded safely" in reply
+    assert not canary.exists()
+
+
+def test_an_oversized_length_allocates_nothing_and_the_server_goes_on(servers):
+    server, captured = serve(servers, make_state())
+    sock = socket.create_connection(server.address, timeout=10)
+    with sock:
+        handshake.connect(sock, SECRET)
+        sock.sendall((1 << 62).to_bytes(8, "little"))
+        assert _closed_without_a_reply(sock)
+    _, tensors, _ = fetch([server])
+    assert_bitwise_equal(tensors, captured)
+
+
+@pytest.fixture(scope="module")
+def stranger_target():
+    server = StateServer(secret=SECRET)
+    server.publish(capture(make_state(), CLASSES, version=5))
+    yield server
+    server.close()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(noise=st.binary(min_size=0, max_size=4096))
+def test_random_bytes_at_the_port_leave_the_server_serving(stranger_target, noise):
+    with _stranger(stranger_target) as sock:
+        sock.recv(64)
+        sock.sendall(noise)
+        sock.shutdown(socket.SHUT_WR)
+        assert _closed_without_a_reply(sock)
+    assert stranger_target.served_bytes == 0
