@@ -42,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import statistics
@@ -53,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .inject import inject
+from .job_secret import SECRET_ENV
 from .status import read_workers
 
 __all__ = ["CampaignConfig", "KINDS", "FaultRun", "absolute_paths", "run_campaign", "format_summary", "load_campaign"]
@@ -160,6 +162,10 @@ class _Job:
         cwd.mkdir()
         port = _free_port()
         self.procs: list[subprocess.Popen] = []
+        env = dict(os.environ)
+        if nodes > 1 and SECRET_ENV not in env and "--secret-file" not in launch_args:
+            # The simulated nodes share one secret, as a scheduler would hand it to every node.
+            env[SECRET_ENV] = secrets.token_hex(32)
         for node in range(nodes):
             cmd = [
                 sys.executable, "-m", "torchpass.core.cli", "launch", "--nnodes", str(nodes), "--node-rank", str(node),
@@ -167,7 +173,7 @@ class _Job:
                 "--set", f"telemetry.final_digest={str(final_digest).lower()}", *launch_args,
             ]  # fmt: skip
             log = open(run_dir.parent / f"{run_dir.name}.launcher{node}.log", "w")
-            self.procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            self.procs.append(subprocess.Popen(cmd, cwd=cwd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env))
             if node == 0:
                 self._wait(lambda: (run_dir / "workers.json").exists(), 120, "the job's workers.json")
         self.t0 = time.monotonic()

@@ -156,7 +156,8 @@ def test_port_in_use(script, run_dir, capsys):
     assert_nothing_written(run_dir)
 
 
-def test_unreachable_store_for_node_1(script, run_dir, capsys):
+def test_unreachable_store_for_node_1(script, run_dir, capsys, monkeypatch):
+    monkeypatch.setenv("TORCHPASS_SECRET", "shared-by-every-node-0123")
     port = free_port()
     start = time.monotonic()
     code, err = launch(
@@ -167,6 +168,21 @@ def test_unreachable_store_for_node_1(script, run_dir, capsys):
     assert code == 2
     assert f"cannot reach the torchpass store of node 0 at 127.0.0.1:{port} within 2 s" in err
     assert elapsed < 15, elapsed
+    assert_nothing_written(run_dir)
+
+
+def test_a_multi_node_launch_without_a_secret_is_refused_naming_both_ways(script, run_dir, capsys, monkeypatch):
+    monkeypatch.delenv("TORCHPASS_SECRET", raising=False)
+    code, err = launch(["--nnodes", "2", "--node-rank", "1", "--run-dir", str(run_dir), str(script)], capsys)
+    assert code == 2
+    assert "a job on 2 nodes needs the same secret on every node: pass --secret-file PATH" in err and "TORCHPASS_SECRET" in err
+    assert_nothing_written(run_dir)
+
+
+def test_an_unreadable_secret_file_is_named(script, run_dir, capsys, tmp_path):
+    code, err = launch(["--secret-file", str(tmp_path / "missing"), "--run-dir", str(run_dir), str(script)], capsys)
+    assert code == 2
+    assert f"--secret-file '{tmp_path / 'missing'}'" in err
     assert_nothing_written(run_dir)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -190,6 +191,12 @@ def launch(
     port = free_port()
     run_dir = workdir / "run"
     procs, logs = [], []
+    if nnodes > 1:
+        # Every node reads one secret, as from a shared file system (a single node generates its own).
+        secret_file = workdir / "job.secret"
+        secret_file.write_text(secrets.token_hex(32))
+        secret_file.chmod(0o600)
+        extra = ["--secret-file", str(secret_file), *(extra or [])]
     for node in range(nnodes):
         node_spare = (node_spares or [spares] * nnodes)[node]
         cmd = [
