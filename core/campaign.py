@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .inject import inject
-from .job_secret import SECRET_ENV
+from .job_secret import SECRET_ENV, for_operator
 from .status import read_workers
 
 __all__ = ["CampaignConfig", "KINDS", "FaultRun", "absolute_paths", "run_campaign", "format_summary", "load_campaign"]
@@ -166,6 +166,8 @@ class _Job:
         if nodes > 1 and SECRET_ENV not in env and "--secret-file" not in launch_args:
             # The simulated nodes share one secret, as a scheduler would hand it to every node.
             env[SECRET_ENV] = secrets.token_hex(32)
+        self._secret_file = launch_args[launch_args.index("--secret-file") + 1] if "--secret-file" in launch_args else None
+        self._secret = env.get(SECRET_ENV)
         for node in range(nodes):
             cmd = [
                 sys.executable, "-m", "torchpass.core.cli", "launch", "--nnodes", str(nodes), "--node-rank", str(node),
@@ -193,10 +195,11 @@ class _Job:
     def store(self) -> Any:
         """A client of the job's store (the run's control plane), connected on first use."""
         if self._store is None:
-            from .control import connect
+            from .control import StoreAddress
 
             host, port = self.workers()["store"].rsplit(":", 1)
-            self._store = connect(host, int(port), timeout=10.0)
+            secret = self._secret.encode() if self._secret else for_operator(self.run_dir, self._secret_file)
+            self._store = StoreAddress(host, int(port), secret).connect(timeout=10.0)
         return self._store
 
     def step_of(self, rank: int) -> int:

@@ -14,8 +14,10 @@ def _parser() -> argparse.ArgumentParser:
     from .launcher import add_launch_arguments
 
     add_launch_arguments(sub.add_parser("launch", help="start a job like torchrun, plus hot spares"))
+    secret_help = "the job's secret file (else $TORCHPASS_SECRET, or the secret your single-node launch generated)"
     st = sub.add_parser("status", help="show the workers of a job")
     st.add_argument("--run-dir", required=True)
+    st.add_argument("--secret-file", default=None, help=secret_help)
     rp = sub.add_parser("report", help="success rate and time lost, from a job's ledger")
     rp.add_argument("--run-dir", required=True)
     rp.add_argument("--json", action="store_true", help="machine-readable output")
@@ -28,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     mig = sub.add_parser("migrate", help="ask for a planned migration of a rank (it hands its state to a spare and leaves)")
     mig.add_argument("--run-dir", required=True)
     mig.add_argument("--rank", type=int, required=True)
+    mig.add_argument("--secret-file", default=None, help=secret_help)
     chaos = sub.add_parser(
         "chaos",
         help="a campaign of real faults against your job, each run compared bit for bit with a fault-free run",
@@ -50,9 +53,13 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(launch(args))
     if args.command == "status":
+        from .job_secret import SecretError
         from .status import format_status
 
-        print(format_status(args.run_dir))
+        try:
+            print(format_status(args.run_dir, args.secret_file))
+        except (SecretError, FileNotFoundError) as exc:
+            raise SystemExit(f"torchpass status: {exc}") from None
     elif args.command == "report":
         from .report import build_report, format_report, report_json
 
@@ -68,8 +75,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"sent {args.fault} to pid(s) {', '.join(map(str, pids))}")
     elif args.command == "migrate":
         from .inject import request_migration
+        from .job_secret import SecretError
 
-        request_migration(args.run_dir, args.rank)
+        try:
+            request_migration(args.run_dir, args.rank, args.secret_file)
+        except (SecretError, LookupError, FileNotFoundError) as exc:
+            raise SystemExit(f"torchpass migrate: {exc}") from None
         print(f"asked the controller to migrate rank {args.rank}")
     elif args.command == "chaos":
         sys.exit(_chaos(args))

@@ -71,8 +71,10 @@ from torch._C._distributed_c10d import (
     _create_work_from_future,
 )
 
+from . import job_secret
 from .pending_work import PendingWork
 from .rendezvous_store import InterruptibleStore
+from .signed_store import SignedStore
 
 __all__ = [
     "BACKEND_NAME",
@@ -545,7 +547,9 @@ def _create(dist_opts: Any, backend_options: Any) -> RebuildableProcessGroup:
     if _local_by_default:
         group.go_local()
     else:
-        group.connect(dist_opts.store, 0, timeout)
+        # Generation 0 meets through torch's default store: in a worker, sealed like every torchpass value.
+        secret = job_secret.worker_secret()
+        group.connect(SignedStore(dist_opts.store, secret) if secret else dist_opts.store, 0, timeout)
     return group
 
 

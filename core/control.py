@@ -1,7 +1,9 @@
 """The control plane: key layout on the c10d store and the records exchanged through it.
 
 Everything torchpass coordinates goes through one ``torch.distributed.TCPStore``
-hosted by node 0's launcher; there is no other RPC or consensus layer. Writers
+hosted by node 0's launcher; there is no other RPC or consensus layer. Every
+process reads and writes it through :class:`~torchpass.core.signed_store.SignedStore`:
+a value not sealed under the job secret is, to torchpass, not there. Writers
 and readers by key (``tp/`` prefix omitted):
 
 ==========================  ===================  =====================================
@@ -45,6 +47,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch.distributed as dist
 
 from . import safe_pickle
+from .signed_store import SignedStore
 
 __all__ = [
     "Keys",
@@ -59,7 +62,8 @@ __all__ = [
     "put",
     "get",
     "try_get",
-    "connect",
+    "StoreAddress",
+    "signed",
 ]
 
 T = TypeVar("T")
@@ -207,16 +211,44 @@ def try_get(store: dist.Store, key: str, cls: type[T]) -> T | None:
     return _from_json(cls, store.get(key))
 
 
-def connect(host: str, port: int, timeout: float = 300.0) -> dist.TCPStore:
-    """A client connection to the control-plane store (one per thread: clients are not thread-safe).
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the control-plane store is, and the secret every value in it is sealed with."""
 
-    Created under the socket-creation lock so a concurrent rebuild never mistakes
-    this socket for one of its gloo connections.
-    """
-    from .comms import socket_creation_lock
+    host: str
+    port: int
+    secret: bytes = field(repr=False)
+    """The job secret (``core/job_secret.py``); kept out of ``repr`` so it never reaches a log."""
 
-    with socket_creation_lock:
-        return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+    def connect(self, timeout: float = 300.0) -> SignedStore:
+        """A client connection (one per thread: clients are not thread-safe), sealing and opening every value.
+
+        Created under the socket-creation lock so a concurrent rebuild never mistakes
+        this socket for one of its gloo connections.
+        """
+        from .comms import socket_creation_lock
+
+        with socket_creation_lock:
+            base = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        return signed(base, self.secret, timedelta(seconds=timeout))
+
+
+_forged_reported = False
+
+
+def _report_forged(key: str) -> None:
+    # Once per process: a stranger writing many keys must not flood the log (SignedStore counts them all).
+    global _forged_reported
+    if not _forged_reported:
+        _forged_reported = True
+        print(f"[torchpass] the store holds a value at {key!r} not sealed with this job's secret: ignored", flush=True)
+
+
+def signed(base: dist.Store, secret: bytes, timeout: timedelta) -> SignedStore:
+    """``base`` behind the job secret (every torchpass process reads and writes the store through this)."""
+    store = SignedStore(base, secret, _report_forged)
+    store.set_timeout(timeout)
+    return store
 
 
 @dataclass

@@ -19,7 +19,7 @@ import threading
 from datetime import timedelta
 from typing import Callable
 
-from .control import Keys, connect
+from .control import Keys, StoreAddress
 
 __all__ = ["GenerationMonitor"]
 
@@ -27,8 +27,8 @@ __all__ = ["GenerationMonitor"]
 class GenerationMonitor:
     """Holds the worker's generation and watches for its end (see the module docstring)."""
 
-    def __init__(self, host: str, port: int, wait_deadline: timedelta, on_end: Callable[[int, str], None]):
-        self._address = (host, port)
+    def __init__(self, address: StoreAddress, wait_deadline: timedelta, on_end: Callable[[int, str], None]):
+        self._address = address
         self._wait_deadline = wait_deadline
         self._on_end = on_end
         self._cv = threading.Condition()
@@ -49,7 +49,7 @@ class GenerationMonitor:
             self._cv.notify_all()
 
     def _run(self) -> None:
-        store = connect(*self._address)
+        store = self._address.connect()
         while True:
             g = self.generation
             key = Keys.end(g)

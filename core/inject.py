@@ -56,11 +56,17 @@ def inject(run_dir: str | Path, fault: str, rank: int | None = None, wid: str | 
     return pids
 
 
-def request_migration(run_dir: str | Path, rank: int) -> None:
-    """The operator's planned migration: the rank hands its own state to a spare at the next step boundary."""
-    from .control import Keys, Mailbox, Report, connect
+def request_migration(run_dir: str | Path, rank: int, secret_file: str | None = None) -> None:
+    """The operator's planned migration: the rank hands its own state to a spare at the next step boundary.
+
+    It is a record in the job's store, so it takes the job secret (``job_secret.for_operator``): the controller
+    does not see a request sealed with anything else.
+    """
+    from .control import Keys, Mailbox, Report, StoreAddress
+    from .job_secret import for_operator
 
     data = read_workers(run_dir)
     _find(data["workers"], rank, None)
     host, port = data["store"].rsplit(":", 1)
-    Mailbox(connect(host, int(port), timeout=10.0), Keys.events).post(Report("migrate", rank=rank, detail={"signal": "operator"}))
+    address = StoreAddress(host, int(port), for_operator(run_dir, secret_file))
+    Mailbox(address.connect(timeout=10.0), Keys.events).post(Report("migrate", rank=rank, detail={"signal": "operator"}))

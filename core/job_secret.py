@@ -13,16 +13,20 @@ A multi-node job without 1 or 2 is refused: each node's launcher would invent
 a different key. The launcher hands the key to its workers and spares in their
 environment (never on a command line, which ``ps`` shows to every user); a
 worker takes it out of its environment once read, so processes the training
-script starts do not inherit it. The run directory never holds it.
+script starts do not inherit it. The run directory never holds it: a
+generated key is kept for the operator's commands (``torchpass status``,
+``migrate``) in a file only its user can read, under ``$XDG_RUNTIME_DIR``
+(or ``~/.cache``), named after the run directory, and removed when the job ends.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from pathlib import Path
 
-__all__ = ["SECRET_ENV", "MIN_SECRET_BYTES", "SecretError", "for_launch", "from_worker_env"]
+__all__ = ["SECRET_ENV", "MIN_SECRET_BYTES", "SecretError", "for_launch", "for_operator", "from_worker_env", "keep_generated", "worker_secret"]
 
 SECRET_ENV = "TORCHPASS_SECRET"
 """The environment variable holding the job secret (read by launchers, handed to workers)."""
@@ -31,6 +35,8 @@ MIN_SECRET_BYTES = 16
 """A shorter secret is refused: 16 bytes (128 bits) is the least an HMAC key should carry."""
 
 _GENERATED_BYTES = 32
+GENERATED = "generated for this job"
+"""Where ``for_launch`` says a secret came from when it made one."""
 
 
 class SecretError(ValueError):
@@ -66,18 +72,56 @@ def for_launch(secret_file: str | None, nnodes: int) -> tuple[bytes, str]:
             f"a job on {nnodes} nodes needs the same secret on every node: pass --secret-file PATH (a file every node "
             f"can read, e.g. on a shared file system or a mounted secret) or set {SECRET_ENV}"
         )
-    return secrets.token_hex(_GENERATED_BYTES).encode(), "generated for this job"
+    return secrets.token_hex(_GENERATED_BYTES).encode(), GENERATED
 
 
 _worker_secret: bytes | None = None
 
 
-def from_worker_env() -> bytes:
-    """The secret a worker's launcher handed it (read once, then removed from the environment)."""
+def worker_secret() -> bytes | None:
+    """The secret a worker's launcher handed it (read once, then removed from the environment); None in a
+    process torchpass did not launch."""
     global _worker_secret
     if _worker_secret is None:
         value = os.environ.pop(SECRET_ENV, "").strip()
-        if not value:
-            raise SecretError(f"{SECRET_ENV} is not set: torchpass workers are started by `torchpass launch`, which hands them the job secret")
-        _worker_secret = _checked(value.encode(), SECRET_ENV)
+        if value:
+            _worker_secret = _checked(value.encode(), SECRET_ENV)
     return _worker_secret
+
+
+def from_worker_env() -> bytes:
+    """``worker_secret()``, required: a worker without one was not started by ``torchpass launch``."""
+    secret = worker_secret()
+    if secret is None:
+        raise SecretError(f"{SECRET_ENV} is not set: torchpass workers are started by `torchpass launch`, which hands them the job secret")
+    return secret
+
+
+def _kept_path(run_dir: Path) -> Path:
+    base = Path(os.environ.get("XDG_RUNTIME_DIR") or Path.home() / ".cache")
+    return base / "torchpass" / "secrets" / hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:32]
+
+
+def keep_generated(run_dir: Path, secret: bytes) -> Path:
+    """Keep a generated secret where this user's operator commands find it; returns the file (remove it at the end)."""
+    path = _kept_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secret)
+    return path
+
+
+def for_operator(run_dir: str | Path, secret_file: str | None = None) -> bytes:
+    """The secret of the job in ``run_dir`` for an operator command: ``--secret-file``, the environment, or the
+    secret a single-node launcher of this user generated for that run directory."""
+    if secret_file or os.environ.get(SECRET_ENV, "").strip():
+        return for_launch(secret_file, 2)[0]
+    path = _kept_path(Path(run_dir))
+    try:
+        return _checked(path.read_bytes(), str(path))
+    except FileNotFoundError:
+        raise SecretError(
+            f"no secret for the job in {run_dir}: pass --secret-file PATH or set {SECRET_ENV} to the secret its "
+            "launchers were given (a single-node job's generated secret is only readable by the user who launched it)"
+        ) from None

@@ -10,6 +10,7 @@ sizes, the script, the store address.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib.util
 import json
 import os
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from . import job_secret
 from .agent import Agent, NodeSpec
 from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario
-from .control import Keys, Mailbox, Report
+from .control import Keys, Mailbox, Report, signed
 from .controller import Controller, JobSpec
 from .liveness import STORE_LOST_EXIT
 
@@ -201,18 +202,27 @@ def _launch(args: argparse.Namespace) -> int:
 
     if args.node_rank == 0:
         try:
-            store: dist.Store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=join_timeout))
+            base = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=join_timeout))
         except (RuntimeError, OSError) as exc:
             raise LaunchError(f"cannot host the torchpass store on {host}:{port}: {exc} (is the port in use? pass --master-port)") from None
     else:
         try:
-            store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=join_timeout))
-            store.wait([Keys.job], timedelta(seconds=join_timeout))
+            base = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=join_timeout))
+            base.wait([Keys.job], timedelta(seconds=join_timeout))
         except (RuntimeError, OSError) as exc:
             raise LaunchError(f"cannot reach the torchpass store of node 0 at {host}:{port} within {join_timeout:.0f} s: {exc}") from None
+    store = signed(base, secret, timedelta(seconds=join_timeout))
+    if args.node_rank != 0 and not store.check([Keys.job]):
+        raise LaunchError(
+            f"node 0's store at {host}:{port} holds a job not sealed with this node's secret ({secret_from}): "
+            "give every node the same --secret-file or TORCHPASS_SECRET"
+        )
 
     if args.node_rank == 0:
         _prepare_run_dir(run_dir)
+    if secret_from == job_secret.GENERATED:
+        # For this user's `torchpass status` / `migrate` on the run dir; gone with the launcher.
+        atexit.register(job_secret.keep_generated(run_dir, secret).unlink, missing_ok=True)
     else:
         # The run dir may be node 0's own (a shared file system, or every node on one machine): another
         # node archiving what is there would move the live ledger and workers.json from under the controller.

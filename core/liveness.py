@@ -34,7 +34,7 @@ from typing import Any, Callable, Hashable
 
 import torch.distributed as dist
 
-from .control import Heartbeat, Keys, connect, put
+from .control import Heartbeat, Keys, StoreAddress, put
 
 __all__ = ["STORE_LOST_EXIT", "BeatWatch", "StoreWatchdog", "Heartbeater", "die_with_parent"]
 
@@ -103,15 +103,14 @@ class Heartbeater(threading.Thread):
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        address: StoreAddress,
         wid: str,
         interval_s: float,
         state: Callable[[], tuple[int, int, str]],
         watchdog: StoreWatchdog,
     ):
         super().__init__(name="torchpass-heartbeat", daemon=True)
-        self._address = (host, port)
+        self._address = address
         self._key = Keys.heartbeat(wid)
         self._wid = wid
         self._interval_s = interval_s
@@ -127,7 +126,7 @@ class Heartbeater(threading.Thread):
         self._stopped.set()
 
     def run(self) -> None:
-        store = connect(*self._address)
+        store = self._address.connect()
         seq = 0
         while not self._stopped.is_set():
             seq += 1
@@ -142,7 +141,7 @@ class Heartbeater(threading.Thread):
                 print(f"[torchpass] {self._wid}: heartbeat to the store failed: {exc}; reconnecting", file=sys.stderr, flush=True)
                 self._stopped.wait(self._interval_s)
                 try:
-                    store = connect(*self._address, timeout=self._interval_s * 4)
+                    store = self._address.connect(timeout=self._interval_s * 4)
                 except dist.DistError as again:
                     print(f"[torchpass] {self._wid}: cannot reach the store: {again}", file=sys.stderr, flush=True)
                 continue

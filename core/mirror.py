@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from .control import MIRROR_SLOTS, Keys, connect, put_object
+from .control import MIRROR_SLOTS, Keys, StoreAddress, put_object
 
 __all__ = ["SmallStateMirror"]
 
@@ -31,9 +31,9 @@ class SmallStateMirror(threading.Thread):
     for it, usually without blocking because the write overlapped backward compute.
     """
 
-    def __init__(self, host: str, port: int, rank: int):
+    def __init__(self, address: StoreAddress, rank: int):
         super().__init__(name="torchpass-mirror", daemon=True)
-        self._store = connect(host, port)
+        self._store = address.connect()
         self._rank = rank
         self._cv = threading.Condition()
         self._pending: dict[int, tuple[int, dict[str, Any]]] = {}

@@ -57,7 +57,7 @@ from .buddy import BuddyKeeper, GateReleased
 from .buddy_routing import BuddyRouting, GenerationEnded
 from .chaos import chaos_trigger
 from .config import TorchPassConfig, config_from_env
-from .control import Keys, Mailbox, Plan, Report, WorkerRecord, connect, get, put
+from .control import Keys, Mailbox, Plan, Report, StoreAddress, WorkerRecord, get, put
 from .controller_answers import UNTIL_ANSWERED, ControllerAnswers
 from .data import ReplayableData
 from .failures import is_comm_error
@@ -93,11 +93,14 @@ class Runtime:
         self.world_size = int(env["TORCHPASS_WORLD_SIZE"])
         host, port = env["TORCHPASS_STORE"].rsplit(":", 1)
         self.store_host, self.store_port = host, int(port)
-        self.store = connect(host, self.store_port)
+        self.secret = job_secret.from_worker_env()
+        """The job secret: store values are sealed with it and state-channel connections prove it."""
+        self.store_address = StoreAddress(host, self.store_port, self.secret)
+        self.store = self.store_address.connect()
         self.events = Mailbox(self.store, Keys.events)
         self.answers = ControllerAnswers(self.store, lambda: f"rank {self.rank} ({self.wid})")
         self.rank: int | None = int(env["RANK"]) if self.role == "active" else None
-        self.monitor = GenerationMonitor(host, self.store_port, UNTIL_ANSWERED, self._on_generation_end)
+        self.monitor = GenerationMonitor(self.store_address, UNTIL_ANSWERED, self._on_generation_end)
         self.step = 0
         self.version = 0
         self.in_step = False
@@ -122,8 +125,6 @@ class Runtime:
         """Captures and loads this rank's state; set once attached."""
         self.migration = Migration(self)
         self._push_gate = False
-        self.secret = job_secret.from_worker_env()
-        """The job secret: every state-channel connection proves it (``core/handshake.py``)."""
         self.server = StateServer(
             secret=self.secret,
             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host(),
@@ -136,8 +137,7 @@ class Runtime:
         self._register()
         self._watchdog = StoreWatchdog(self.config.store_bound_s(), self._exit_store_lost)
         Heartbeater(
-            host,
-            self.store_port,
+            self.store_address,
             self.wid,
             self.config.heartbeat_interval_s,
             lambda: (self.step, self.generation, self.phase),
@@ -229,7 +229,7 @@ class Runtime:
 
     def _prefault_pool(self) -> None:
         """Fault in receive memory for one rank's state while idle (see ReceivePool)."""
-        store = connect(self.store_host, self.store_port)
+        store = self.store_address.connect()
         store.wait([Keys.state_bytes], UNTIL_ANSWERED)
         expected = int(store.get(Keys.state_bytes))
         if expected and self._pool is None:
@@ -245,7 +245,7 @@ class Runtime:
             opt.register_step_pre_hook(self._commit_begin)
             opt.register_step_post_hook(self._commit_end)
         assert self.rank is not None
-        self._mirror = SmallStateMirror(self.store_host, self.store_port, self.rank)
+        self._mirror = SmallStateMirror(self.store_address, self.rank)
         comms.before_collective = self._before_collective
         # Watching the generation from here on: a fault during start-up or during a
         # spare's join must release this rank's waits too.

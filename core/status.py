@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +22,22 @@ def read_workers(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _heartbeats(data: dict[str, Any]) -> dict[str, Any]:
-    from .control import Heartbeat, Keys, connect, try_get  # torch is only needed for the live view
+def _heartbeats(data: dict[str, Any], run_dir: str | Path, secret_file: str | None) -> dict[str, Any]:
+    import torch.distributed as dist  # torch is only needed for the live view
+
+    from .control import Heartbeat, Keys, signed, try_get
+    from .job_secret import for_operator
 
     store_addr = data.get("store")
     if not store_addr:
         return {}
     host, port = store_addr.rsplit(":", 1)
     try:
-        store = connect(host, int(port), timeout=2.0)
+        base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2.0), wait_for_workers=False)
     except (RuntimeError, OSError):
         return {}  # the job is over; workers.json alone tells the final picture
+    # A live job: its records are only readable with its secret (SecretError names the ways to give it).
+    store = signed(base, for_operator(run_dir, secret_file), timedelta(seconds=2.0))
     beats = {}
     for row in data["workers"]:
         hb = try_get(store, Keys.heartbeat(row["wid"]), Heartbeat)
@@ -40,9 +46,9 @@ def _heartbeats(data: dict[str, Any]) -> dict[str, Any]:
     return beats
 
 
-def format_status(run_dir: str | Path) -> str:
+def format_status(run_dir: str | Path, secret_file: str | None = None) -> str:
     data = read_workers(run_dir)
-    beats = _heartbeats(data)
+    beats = _heartbeats(data, run_dir, secret_file)
     lines = [
         f"generation {data['generation']}, world size {data['world_size']}"
         + ("" if beats else " (store unreachable: showing the last recorded state)")

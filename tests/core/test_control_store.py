@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import pickle
 import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from torchpass.core.control import STORE_BATCH, Heartbeat, Keys, _to_json, check_all, gather, multi_get
+from torchpass.core.control import STORE_BATCH, Heartbeat, Keys, _to_json, check_all, gather, multi_get, put_object
 from torchpass.core.controller import _StoreMirrors
 from torchpass.core.rng import capture_rng, rng_digest
 
@@ -57,7 +56,7 @@ def test_mirrors_are_read_only_for_the_ranks_asked_about() -> None:
     store = _store()
     rng = capture_rng()
     for version in (4, 5):
-        store.set(Keys.mirror(7, version % 3), pickle.dumps({"version": version, "rng": rng, "data": None}))
+        put_object(store, Keys.mirror(7, version % 3), {"version": version, "rng": rng, "data": None})
     counting = _Counting(store)
     mirrors = _StoreMirrors(counting, world_size=1024)  # type: ignore[arg-type]
     assert counting.ops == 0

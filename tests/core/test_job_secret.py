@@ -11,7 +11,7 @@ def test_a_single_node_job_generates_a_fresh_secret(monkeypatch):
     monkeypatch.delenv(job_secret.SECRET_ENV, raising=False)
     first, where = job_secret.for_launch(None, 1)
     second, _ = job_secret.for_launch(None, 1)
-    assert where == "generated for this job" and first != second and len(first) >= job_secret.MIN_SECRET_BYTES
+    assert where == job_secret.GENERATED and first != second and len(first) >= job_secret.MIN_SECRET_BYTES
 
 
 def test_a_multi_node_job_without_a_secret_is_refused_naming_both_ways(monkeypatch):

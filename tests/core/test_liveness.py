@@ -16,6 +16,7 @@ from torchpass.core.control import Heartbeat, Keys, try_get
 from torchpass.core.liveness import BeatWatch, Heartbeater, StoreWatchdog
 
 from tests.support.harness import free_port
+from tests.support.secret import SECRET
 
 
 class _Clock:
@@ -54,13 +55,14 @@ def store_server():
 def test_the_watchdog_fires_when_a_stopped_store_stops_answering(store_server) -> None:
     """A request to a SIGSTOPped server never returns (whatever the client's timeout): only the watchdog bounds it."""
     port, server = store_server
-    from torchpass.core.control import connect
+    from torchpass.core.control import StoreAddress
 
-    reader = connect("127.0.0.1", port)
+    address = StoreAddress("127.0.0.1", port, SECRET)
+    reader = address.connect()
     lost = threading.Event()
     silent: list[float] = []
     watchdog = StoreWatchdog(1.5, lambda s: (silent.append(s), lost.set()))
-    beats = Heartbeater("127.0.0.1", port, "n0-a0", 0.2, lambda: (3, 0, "train"), watchdog)
+    beats = Heartbeater(address, "n0-a0", 0.2, lambda: (3, 0, "train"), watchdog)
     deadline = time.monotonic() + 20
     while try_get(reader, Keys.heartbeat("n0-a0"), Heartbeat) is None:
         assert time.monotonic() < deadline, "no heartbeat written"

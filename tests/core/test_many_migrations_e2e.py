@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from torchpass.core.comms import _Graveyard
-from torchpass.core.control import Keys, connect
+from torchpass.core.control import Keys
 
 from tests.support.harness import JOBS, assert_bitwise, fault_free, launch
 
@@ -45,8 +45,7 @@ def test_fifty_migrations_leave_fds_threads_and_rss_flat(tmp_path: Path) -> None
     run = launch(tmp_path / "migrated", JOBS / "jobs_ddp.py", args, nproc=2, spares=0)
     run.wait_step(0, 3)
     pids = run.active_pids()
-    host, port = run.workers()["store"].rsplit(":", 1)
-    store = connect(host, int(port))
+    store = run.store()
     pid = run.active_pids()[0]
     samples = [_resources(pid)]
     for i in range(MIGRATIONS):

@@ -48,7 +48,17 @@ class JobRun:
     procs: list[subprocess.Popen]
     logs: list[Path]
     run_dir: Path
+    secret_file: Path | None = None
+    """The secret every node was given (multi-node jobs); a single-node job generated its own."""
     started: float = field(default_factory=time.time)
+
+    def store(self) -> Any:
+        """A client of the job's store, holding the job's secret as an operator's command does."""
+        from torchpass.core.control import StoreAddress
+        from torchpass.core.job_secret import for_operator
+
+        host, port = self.workers()["store"].rsplit(":", 1)
+        return StoreAddress(host, int(port), for_operator(self.run_dir, self.secret_file and str(self.secret_file))).connect(timeout=30.0)
 
     # ---- observing -----------------------------------------------------------
     def step_of(self, rank: int) -> int:
@@ -168,7 +178,7 @@ class JobRun:
 
     def stray_files(self) -> list[str]:
         """Files the job wrote outside its progress, output and run directories (checkpoints, say)."""
-        allowed = {"progress", "out", "losses", "grad_norms", "run", "launcher0.log", "launcher1.log"}
+        allowed = {"progress", "out", "losses", "grad_norms", "run", "launcher0.log", "launcher1.log", "job.secret"}
         return sorted(str(p.relative_to(self.workdir)) for p in self.workdir.iterdir() if p.name not in allowed)
 
 
@@ -191,6 +201,7 @@ def launch(
     port = free_port()
     run_dir = workdir / "run"
     procs, logs = [], []
+    secret_file = None
     if nnodes > 1:
         # Every node reads one secret, as from a shared file system (a single node generates its own).
         secret_file = workdir / "job.secret"
@@ -215,7 +226,7 @@ def launch(
         logs.append(log)
         if node == 0:
             _wait_file(run_dir / "events.jsonl", procs[0], log)
-    return JobRun(workdir, procs, logs, run_dir)
+    return JobRun(workdir, procs, logs, run_dir, secret_file)
 
 
 def fault_free(workdir: Path, script: str | Path, script_args: list[str], **kwargs: Any) -> dict[int, dict[str, Any]]:
