@@ -47,6 +47,7 @@ from .config import TorchPassConfig, config_from_mapping
 from .control import Heartbeat, Keys, Mailbox, Report, put, try_get
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error
 from .job_secret import SECRET_ENV
+from .signed_store import FORGED
 from .liveness import STORE_LOST_EXIT, BeatWatch, StoreWatchdog
 
 __all__ = ["Agent", "NodeSpec"]
@@ -102,6 +103,8 @@ class Agent:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._last_beat = 0.0
         self._beat_seq = 0
+        self.forged_orders = 0
+        """Orders in this node's mail that did not open under the job secret (logged once)."""
         self._last_heartbeat_scan = 0.0
         self._beats = BeatWatch()
         self._watchdog = StoreWatchdog(
@@ -191,6 +194,10 @@ class Agent:
             self._watchdog.bound_s = self.config.store_bound_s()
 
     def _on_bad_order(self, key: str, why: str) -> None:
+        if why == FORGED:
+            self.forged_orders += 1
+            if self.forged_orders > 1:
+                return  # logged once; a stranger can write these as fast as it likes
         print(f"[torchpass] node {self.spec.node}: ignoring order {key}: {why}", file=sys.stderr, flush=True)
 
     def tick(self) -> None:

@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch.distributed as dist
 
 from . import safe_pickle
-from .signed_store import SignedStore
+from .signed_store import FORGED, SignedStore
 
 __all__ = [
     "Keys",
@@ -368,8 +368,8 @@ class Mailbox:
     """An append-only message queue on the store: ``add`` a sequence number, then ``set`` the entry.
 
     Reading never takes the reader down and never blocks it: an entry that does
-    not decode as the expected record (malformed, or of another shape) is handed
-    to ``on_bad`` and skipped; an entry whose number exists but whose value does
+    not decode as the expected record (malformed, or of another shape) or that
+    is not sealed with the job secret is handed to ``on_bad`` and skipped; an entry whose number exists but whose value does
     not (its poster died between ``add`` and ``set``) is waited for across calls,
     up to ``missing_after_s``, then handed to ``on_bad`` and skipped.
     """
@@ -391,7 +391,10 @@ class Mailbox:
         latest = self._store.add(f"{self._key}/seq", 0)
         while self._read < latest:
             key = f"{self._key}/{self._read + 1}"
-            if not self._store.check([key]):
+            if isinstance(self._store, SignedStore) and self._store.holds_forged(key):
+                # A slot a stranger took (it cannot be a poster's half-written entry: a set is atomic).
+                on_bad(key, FORGED)
+            elif not self._store.check([key]):
                 now = time.monotonic()
                 if self._missing_since is None:
                     self._missing_since = now

@@ -62,6 +62,7 @@ from .control import (
 )
 from .rng import rng_digest
 from .ledger import DISQUALIFYING, QUALIFYING, JobEvent, Ledger, MigrationEvent
+from .signed_store import FORGED
 from .liveness import BeatWatch
 from .planner import Disqualified, MirrorInfo, PlanInput, SpareInfo, plan_migration
 from .topology import Layout, layout_from_dict
@@ -129,6 +130,8 @@ class Controller:
         self.say = say
         self._fence_cb = fence
         self.ledger = Ledger(run_dir)
+        self.forged_records = 0
+        """Mailbox records that did not open under the job secret (see ``_on_bad_record``)."""
         self.events = Mailbox(store, Keys.events)
         self.generation = 0
         self.members: dict[int, str] = {}
@@ -221,6 +224,12 @@ class Controller:
 
     def _on_bad_record(self, key: str, why: str) -> None:
         # A record nobody can act on must not take node 0's launcher (and the store) down.
+        if why == FORGED:
+            # A stranger can write these as fast as it likes: logged and recorded once, then counted.
+            self.forged_records += 1
+            if self.forged_records > 1:
+                return
+            why += " (further ones are counted, not logged)"
         self.say(f"ignoring record {key}: {why}")
         self.ledger.append(JobEvent("bad_record", f"{key}: {why}", {"key": key}))
 
@@ -810,7 +819,9 @@ class Controller:
     def _finish(self, code: int, message: str) -> None:
         self.store.set(Keys.outcome, json.dumps({"code": code, "message": message}))
         self._shutdown_keys(message)
-        self.ledger.append(JobEvent("job_end", message, {"exit_code": code, "generation": self.generation}))
+        self.ledger.append(
+            JobEvent("job_end", message, {"exit_code": code, "generation": self.generation, "forged_records": self.forged_records})
+        )
         self.outcome = (code, message)
 
     def _stop(self, code: int, message: str, classification: str, ledger: bool = True) -> None:

@@ -38,9 +38,11 @@ from typing import Callable
 
 import torch.distributed as dist
 
-__all__ = ["SignedStore", "MAGIC", "seal", "unseal"]
+__all__ = ["SignedStore", "FORGED", "MAGIC", "seal", "unseal"]
 
 MAGIC = b"TPS1"
+FORGED = "not sealed with the job secret"
+"""Why a record was skipped when its value does not open (mailbox readers hand it to their ``on_bad``)."""
 _MAC_BYTES = hashlib.sha256().digest_size
 _FORGED_POLL_S = 0.05
 """How often a reader looks again at a key holding a value that does not open (only while one does)."""
@@ -124,6 +126,10 @@ class SignedStore(dist.Store):
         if not self._base.check(keys):
             return False
         return all(self._open(k, raw) is not None for k, raw in zip(keys, self._base.multi_get(keys)))
+
+    def holds_forged(self, key: str) -> bool:
+        """Whether ``key`` holds a value that does not open (a reader sees it as absent)."""
+        return self._base.check([key]) and self._open(key, self._base.get(key)) is None
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
