@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import pickle
+import secrets
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -39,8 +39,9 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
+from torchpass.core import safe_pickle
 from torchpass.core.config import TorchPassConfig
-from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Ready, Report, Status
+from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Ready, Report, Status, signed
 from torchpass.core.controller import Controller, JobSpec
 from torchpass.core.rng import capture_rng
 from torchpass.core.topology import ddp_layout, layout_to_dict
@@ -131,13 +132,13 @@ class SimulatedJob:
         now = time.time()
         _multi_set(self.store, {Keys.heartbeat(w): _json(Heartbeat(now, VERSION, 0, "train")) for w in self.wid.values()})
         _multi_set(self.store, {Keys.node_beat(n): b"1" for n in range(self.nodes)})
-        info = {n: pickle.dumps({"pid": 800000 + n, "host": f"node{n}"}) for n in range(self.nodes)}
+        info = {n: json.dumps({"pid": 800000 + n, "host": f"node{n}"}).encode() for n in range(self.nodes)}
         _multi_set(self.store, {f"{Keys.node_mail(n)}/info": raw for n, raw in info.items()})
         # Data-parallel replicas seeded alike share their RNG streams: one record serves every rank.
         rng = capture_rng()
         mirrors = {}
         for version in range(VERSION - MIRROR_SLOTS + 1, VERSION + 1):
-            record = pickle.dumps({"kind": "backward", "version": version, "rng": rng, "data": None})
+            record = safe_pickle.dumps({"kind": "backward", "version": version, "rng": rng, "data": None})
             mirrors.update({Keys.mirror(r, version % MIRROR_SLOTS): record for r in range(self.size)})
         _multi_set(self.store, mirrors)
         layout = layout_to_dict(ddp_layout(self.size))
@@ -194,8 +195,10 @@ def _drive(
 def measure(size: int, port: int) -> dict[str, Any]:
     """One migration in a simulated job of ``size`` ranks; the controller's cost per phase."""
     timeout = timedelta(seconds=120)
-    server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout)
-    workers = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timeout)
+    # Both ends through the job secret, as in a real job: every value sealed and opened.
+    secret = secrets.token_hex(16).encode()
+    server = signed(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout), secret, timeout)
+    workers = signed(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timeout), secret, timeout)
     counting = CountingStore(server)
     job = SimulatedJob(workers, size)
     spec = JobSpec(size, job.nodes, min(size, PER_NODE), 1, "bench", ["bench"])
