@@ -369,9 +369,10 @@ class Mailbox:
 
     Reading never takes the reader down and never blocks it: an entry that does
     not decode as the expected record (malformed, or of another shape) or that
-    is not sealed with the job secret is handed to ``on_bad`` and skipped; an entry whose number exists but whose value does
-    not (its poster died between ``add`` and ``set``) is waited for across calls,
-    up to ``missing_after_s``, then handed to ``on_bad`` and skipped.
+    is not sealed with the job secret is handed to ``on_bad`` and skipped; an
+    entry whose number exists but whose value does not (its poster died between
+    ``add`` and ``set``) is waited for across calls, up to ``missing_after_s``,
+    then handed to ``on_bad`` and skipped.
     """
 
     def __init__(self, store: dist.Store, key: str, missing_after_s: float = 10.0):
