@@ -198,7 +198,7 @@ def _load_manifest(raw: bytes) -> Manifest:
         if (
             not isinstance(dtype, torch.dtype)
             or not all(isinstance(n, int) and n >= 0 for n in e.shape)
-            or e.nbytes != math.prod(e.shape) * torch.empty((), dtype=dtype).element_size()
+            or e.nbytes != math.prod(e.shape) * dtype.itemsize
         ):
             raise TransferError(f"the peer's manifest has an inconsistent entry {str(e)[:200]}")
     return manifest

@@ -50,3 +50,15 @@ def test_a_worker_takes_the_secret_out_of_its_environment(monkeypatch):
 
     assert job_secret.SECRET_ENV not in os.environ  # processes the script starts do not inherit it
     assert job_secret.from_worker_env() == b"handed-down-by-the-agent-01"
+
+
+def test_an_operator_finds_the_secret_a_single_node_launch_generated_and_nobody_else_can_read_it(monkeypatch, tmp_path):
+    monkeypatch.delenv(job_secret.SECRET_ENV, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "runtime"))
+    run_dir = tmp_path / "runs" / "job1"
+    kept = job_secret.keep_generated(run_dir, b"generated-for-job1-0123456789")
+    assert job_secret.for_operator(run_dir) == b"generated-for-job1-0123456789"
+    assert kept.stat().st_mode & 0o077 == 0 and kept.parent.stat().st_mode & 0o077 == 0
+    assert run_dir not in kept.parents  # the run directory never holds it
+    with pytest.raises(job_secret.SecretError, match="no secret for the job in .*job2.*--secret-file PATH or set TORCHPASS_SECRET"):
+        job_secret.for_operator(tmp_path / "runs" / "job2")
