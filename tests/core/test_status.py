@@ -1,0 +1,58 @@
+"""``torchpass status``: the recorded picture of a finished job, the live one only with the job's secret."""
+
+from __future__ import annotations
+
+import json
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from torchpass.core.control import Heartbeat, Keys, put, signed
+from torchpass.core.job_secret import SECRET_ENV, SecretError
+from torchpass.core.status import format_status
+
+from tests.support.secret import SECRET
+
+
+def _workers_json(run_dir: Path, store: str) -> None:
+    run_dir.mkdir(parents=True)
+    row = {"wid": "n0-a0", "node": 0, "pid": 4242, "role": "active", "rank": 0, "generation": 0, "transfer_addr": None}
+    (run_dir / "workers.json").write_text(json.dumps({"generation": 0, "world_size": 1, "store": store, "workers": [row], "nodes": {}}))
+
+
+@pytest.fixture
+def live(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A run dir whose store is up, holding rank 0's heartbeat sealed with the job secret."""
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "runtime"))
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    put(signed(server, SECRET, timedelta(seconds=5)), Keys.heartbeat("n0-a0"), Heartbeat(0.0, 7, 0, "train", 3))
+    run_dir = tmp_path / "run"
+    _workers_json(run_dir, f"127.0.0.1:{server.port}")
+    secret_file = tmp_path / "job.secret"
+    secret_file.write_bytes(SECRET)
+    yield run_dir, secret_file
+    del server
+
+
+def test_a_live_job_shows_its_heartbeats_with_the_secret(live):
+    run_dir, secret_file = live
+    out = format_status(run_dir, str(secret_file))
+    assert "n0-a0" in out and "train" in out and "      7 " in out
+
+
+def test_a_live_job_without_the_secret_is_refused_naming_the_ways_to_give_it(live):
+    run_dir, _ = live
+    with pytest.raises(SecretError, match="--secret-file PATH or set TORCHPASS_SECRET"):
+        format_status(run_dir)
+
+
+def test_a_finished_job_needs_no_secret(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens there any more
+    _workers_json(tmp_path / "run", f"127.0.0.1:{port}")
+    assert "store unreachable: showing the last recorded state" in format_status(tmp_path / "run")
