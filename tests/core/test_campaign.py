@@ -62,7 +62,9 @@ def test_a_short_campaign_resolves_every_fault(tmp_path: Path) -> None:
         sys.executable, "-m", "torchpass.core.cli", "chaos", "--set", "faults=3", "--set", "kinds=[kill,hang,spare]",
         "--set", f"run_dir={run_dir}", "--set", "seed=4",
         "--", "--nproc-per-node", "2", "--spares-per-node", "2", "--config", "fast_detect",
-        str(JOBS / "jobs_ddp.py"), "--steps", "12", "--workdir", str(tmp_path / "work"), "--step-sleep", "0.1",
+        # Steps longer than the heartbeat interval (0.5 s): the driver sees a rank's step in its heartbeat, and a
+        # fault drawn two steps before the end must land before the job does.
+        str(JOBS / "jobs_ddp.py"), "--steps", "12", "--workdir", str(tmp_path / "work"), "--step-sleep", "0.3",
     ]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
