@@ -69,6 +69,9 @@ from .topology import Layout, layout_from_dict
 
 __all__ = ["Controller", "JobSpec"]
 
+_PROGRESS = "progress"
+"""The job's progress, as a beat of the controller's ``BeatWatch``: the members' highest (generation, step)."""
+
 
 @dataclass
 class JobSpec:
@@ -152,7 +155,6 @@ class Controller:
         self.nodes_lost: set[int] = set()
         self.lost_after_training: set[int] = set()
         """Ranks lost after other ranks had finished training: nothing is left to migrate them for."""
-        self._last_progress = (0, time.time())
         self._last_progress_scan = 0.0
         self._last_node_scan = 0.0
         self._beats = BeatWatch()
@@ -258,7 +260,7 @@ class Controller:
         self.attached.add(report.rank)
         if len(self.attached) == self.spec.world_size:
             # Progress is measured from the first step, not from process start-up.
-            self._last_progress = (0, time.time())
+            self._beats.forget(_PROGRESS)
         detail = report.detail
         if report.rank == 0 and self.layout is None:
             self.layout = layout_from_dict(detail["layout"])
@@ -370,7 +372,7 @@ class Controller:
         key = Keys.node_beat(node)
         if node == 0 or not self.store.check([key]):
             return False
-        return self._beats.age(("node", node), self.store.get(key)) > 2 * self.config.heartbeat_interval_s
+        return self._beats.age(("node", node), int(self.store.get(key))) > 2 * self.config.heartbeat_interval_s
 
     def _check_nodes(self) -> None:
         """A node whose agent stopped heartbeating is lost with every process on it."""
@@ -410,7 +412,7 @@ class Controller:
             beats = dict(zip(nodes, multi_get(self.store, keys)))
         else:
             beats = {n: self.store.get(k) for n, k in zip(nodes, keys) if self.store.check([k])}
-        return {n: self._beats.age(("node", n), beat) for n, beat in beats.items()}
+        return {n: self._beats.age(("node", n), int(beat)) for n, beat in beats.items()}
 
     def _check_progress(self, now: float) -> None:
         if now - self._last_progress_scan < max(0.5, self.config.hang_timeout_s / 20):
@@ -423,11 +425,11 @@ class Controller:
         for wid, hb in zip(self.members.values(), beats):
             # A baseline for the heartbeat ages a migration needs at once (_heartbeat_ages).
             self._beats.age(wid, hb.seq)
-        top = max((hb.step for hb in beats), default=0)
-        if top != self._last_progress[0]:
-            self._last_progress = (top, now)
-        elif now - self._last_progress[1] > self.config.hang_timeout_s:
-            self._last_progress = (top, now)
+        # (generation, step): a migration that rolls back a step still moves the job on,
+        # and a stranger replaying old heartbeats does not.
+        top = max(((hb.generation, hb.step) for hb in beats), default=(0, 0))
+        if self._beats.age(_PROGRESS, top) > self.config.hang_timeout_s:
+            self._beats.forget(_PROGRESS)
             self._failure(set(), "progress", f"no step finished for {self.config.hang_timeout_s:.0f} s (stuck collective?)", now)
 
     def _completed_message(self) -> str:
@@ -745,7 +747,7 @@ class Controller:
         if not present(self.store, m.generation, "done", keys) and time.time() < m.deadline:
             return
         self._close_resumed(m)
-        self._last_progress = (0, time.time())
+        self._beats.forget(_PROGRESS)
 
     def _close_resumed(self, m: _Migration, follow_up: bool = True) -> None:
         """Record a resumed migration as a success, with the done reports of the members that sent one.

@@ -4,7 +4,9 @@ Three rules hold for every process of a job:
 
 * **A writer's clock is never compared with a reader's.** A heartbeat carries a
   sequence number; the reader (:class:`BeatWatch`) notes, on its own monotonic
-  clock, when the number last changed. Node 0's controller reads agents and
+  clock, when the number last grew. *Grew*, not changed: a stranger can copy
+  genuine sealed beats and write them back later (docs/design.md, section
+  12b), and replaying old beats in turn must not keep a dead process alive. Node 0's controller reads agents and
   workers on other hosts, whose wall clocks may be seconds apart or step under
   NTP; a monotonic clock read by one process is the only safe measure. The
   cost: a beat is judged from when the reader first saw it, so a silence is
@@ -43,17 +45,22 @@ STORE_LOST_EXIT = 75
 
 
 class BeatWatch:
-    """How long each heartbeat has gone unchanged, on this process's monotonic clock."""
+    """How long each heartbeat has gone without growing, on this process's monotonic clock.
+
+    A beat is anything ordered that its writer only ever increases (a sequence
+    number; a ``(generation, step)`` pair for the job's progress). A beat no
+    greater than the largest seen is a replay or a rollback: it does not count.
+    """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._clock = clock
         self._seen: dict[Hashable, tuple[Any, float]] = {}
 
     def age(self, who: Hashable, beat: Any) -> float:
-        """Seconds since ``who``'s beat last changed from what this watch saw (0 when it just did)."""
+        """Seconds since ``who``'s beat last grew past what this watch saw (0 when it just did)."""
         now = self._clock()
         seen = self._seen.get(who)
-        if seen is None or seen[0] != beat:
+        if seen is None or beat > seen[0]:
             self._seen[who] = (beat, now)
             return 0.0
         return now - seen[1]

@@ -20,6 +20,12 @@ served too) trains while a process without the secret attacks every way in:
 The job must end exactly as the fault-free run does: bitwise equal state and
 losses, the same PIDs, no migration in the ledger, and no canary file.
 
+A genuine record replayed at its *own* key opens (same key, same secret), so
+the records a process rewrites in place carry what makes an old one stale:
+heartbeats a growing sequence and step, rank addresses their generation. The
+second case hangs a rank while a stranger writes its old heartbeats back in
+turn: the hang must still be caught by its heartbeat and migrated, not hidden.
+
 Not attacked here, because no authentication can stop it on torch's TCPStore:
 overwriting a key the job writes once (its config, the generation counter)
 with garbage denies that value to readers. A stranger who can reach the store
@@ -36,6 +42,8 @@ import random
 import socket
 import subprocess
 import sys
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -45,7 +53,7 @@ import torch.distributed as dist
 from torchpass.core.control import Keys, Plan, Ready, Report
 from torchpass.core.signed_store import MAGIC, seal
 
-from tests.support.harness import JOBS, assert_bitwise, fault_free, launch
+from tests.support.harness import JOBS, assert_bitwise, assert_migrated, fault_free, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -215,3 +223,41 @@ def test_a_stranger_without_the_secret_changes_reads_and_runs_nothing(tmp_path: 
     assert end["detail"]["forged_records"] == to_the_controller + 1, end  # and the request `migrate` sealed wrongly
     assert rss_after - rss_before < 64, f"node 0's launcher (the store) grew from {rss_before} MB to {rss_after} MB"
     print(f"[hostile] {written} forged store writes, {len(workers['workers'])} workers' ports probed: no effect")
+
+
+DDP_ARGS = ["--steps", "20", "--workdir", ".", "--step-sleep", "0.2"]
+
+
+def test_old_heartbeats_written_back_do_not_hide_a_hung_rank(tmp_path: Path) -> None:
+    reference = fault_free(tmp_path / "reference", JOBS / "jobs_ddp.py", DDP_ARGS, nproc=2)
+    run = launch(tmp_path / "replayed", JOBS / "jobs_ddp.py", DDP_ARGS, nproc=2)
+    stop = threading.Event()
+    try:
+        run.wait_step(1, 4)
+        pids = run.active_pids()
+        wid = next(w["wid"] for w in run.workers()["workers"] if w["rank"] == 1 and w["role"] == "active")
+        host, port = run.workers()["store"].rsplit(":", 1)
+        raw = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False, timeout=timedelta(seconds=30))
+        captured: list[bytes] = []
+        while len(captured) < 4:  # four distinct sealed beats (0.5 s apart under fast_detect)
+            beat = raw.get(Keys.heartbeat(wid))
+            if beat not in captured:
+                captured.append(beat)
+            time.sleep(0.1)
+        run.inject("hang", rank=1)
+
+        def replay() -> None:
+            n = 0
+            while not stop.wait(0.1):
+                try:
+                    raw.set(Keys.heartbeat(wid), captured[n % len(captured)])  # each one changes the value
+                except dist.DistError:
+                    return  # the job ended and took its store with it
+                n += 1
+
+        threading.Thread(target=replay, daemon=True).start()
+        last = assert_migrated(run, reference, pids, {1}, "hang", max_steps_lost=0)
+    finally:
+        stop.set()
+        run.kill()
+    assert last["failed_ranks"] == [1], last

@@ -30,15 +30,34 @@ class _Clock:
 def test_an_unchanged_beat_ages_on_the_observers_clock_only() -> None:
     clock = _Clock()
     watch = BeatWatch(clock)
-    assert watch.age("n1", b"7") == 0.0
+    assert watch.age("n1", 7) == 0.0
     clock.now += 4.0
-    assert watch.age("n1", b"7") == 4.0
+    assert watch.age("n1", 7) == 4.0
     # A new beat, whatever the writer's clock said when it wrote it, is fresh.
-    assert watch.age("n1", b"8") == 0.0
+    assert watch.age("n1", 8) == 0.0
     clock.now += 1.5
-    assert watch.age("n1", b"8") == 1.5
+    assert watch.age("n1", 8) == 1.5
     watch.forget("n1")
-    assert watch.age("n1", b"8") == 0.0
+    assert watch.age("n1", 8) == 0.0
+
+
+def test_old_beats_written_back_do_not_keep_a_silent_process_alive() -> None:
+    """A stranger replaying genuine sealed beats (they open: same key, same secret) changes the value, not its age."""
+    clock = _Clock()
+    watch = BeatWatch(clock)
+    for seq in range(1, 6):
+        watch.age("w", seq)
+        clock.now += 1.0
+    last_growth = clock.now - 1.0
+    for replayed in (3, 4, 3, 4, 5):
+        assert watch.age("w", replayed) == clock.now - last_growth
+        clock.now += 1.0
+    assert watch.age("w", 6) == 0.0
+    # Progress marks are (generation, step): a rollback to an earlier step in a new generation is progress.
+    assert watch.age("job", (0, 40)) == 0.0
+    clock.now += 2.0
+    assert watch.age("job", (0, 39)) == 2.0
+    assert watch.age("job", (1, 38)) == 0.0
 
 
 @pytest.fixture
