@@ -76,7 +76,7 @@ class TelemetryConfig:
     state capture and a pass over its bytes at exit."""
 
 
-CHAOS_POINTS = ("attach", "step_start", "backward", "commit", "after_commit")
+CHAOS_POINTS = ("attach", "step_start", "last_forward", "backward", "commit", "after_commit")
 CHAOS_ACTIONS = ("kill", "stall", "term")
 
 
@@ -104,9 +104,10 @@ class ChaosConfig:
 
     kill_point: str = field(default="commit", metadata={"choices": CHAOS_POINTS})
     """``attach`` (start-up: the rank reported its layout, its peers wait for its buddy address; ``kill_step``
-    is then the first step), ``step_start``, ``backward`` (the backward pass began), ``commit`` (inside the
-    optimizer step, before it changes anything) or ``after_commit`` (the optimizer step finished, the step
-    did not)."""
+    is then the first step), ``step_start``, ``last_forward`` (the forward of the step's last micro-batch
+    began; adapters that see each forward call: DeepSpeed's unchanged loops), ``backward`` (the backward pass
+    began), ``commit`` (inside the optimizer step, before it changes anything) or ``after_commit`` (the
+    optimizer step finished, the step did not)."""
 
 
 @dataclass

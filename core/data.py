@@ -10,12 +10,15 @@ stood. :class:`ReplayableData` wraps the user's iterable and
 * owns epochs: when the iterable is exhausted it starts the next epoch,
   calling ``set_epoch`` on the loader's sampler (or the iterable) first, as
   ``DistributedSampler`` requires;
-* fast-forwards a fresh iterator to any (epoch, batch-in-epoch) position by
-  drawing and dropping batches, which costs time proportional to the position
-  inside the epoch (a spare pays it once, while its state is being fetched;
-  with ``lazy_fast_forward`` it pays it at its first batch instead, so that
+* fast-forwards a fresh iterator to any (epoch, batch-in-epoch) position: a
+  torch ``DataLoader`` over a map-style dataset, or a source that says how
+  (:class:`PositionedSource`), opens the pass at that batch without loading
+  the ones before it (:mod:`.dataloader_position`); any other source draws
+  and drops them, which costs time proportional to the position inside the
+  epoch. A spare pays it once, while its state is being fetched; with
+  ``lazy_fast_forward`` it pays it at its first batch instead, so that
   per-epoch set-up the training loop does first, such as ``set_epoch``,
-  applies to the fresh iterator);
+  applies to the fresh iterator;
 * starts each epoch's iterator with the global torch RNG saved and restored
   around it: a DataLoader draws its workers' base seed there, and a step
   executed again replays its batches from memory without starting the
@@ -25,11 +28,25 @@ stood. :class:`ReplayableData` wraps the user's iterable and
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Protocol, runtime_checkable
 
 import torch
+from torch.utils.data import DataLoader
 
-__all__ = ["ReplayableData", "DataPosition"]
+from .dataloader_position import open_at
+
+__all__ = ["ReplayableData", "DataPosition", "PositionedSource"]
+
+
+@runtime_checkable
+class PositionedSource(Protocol):
+    """A re-iterable data source that can open a pass at a given batch without loading the ones before it."""
+
+    def __iter__(self) -> Iterator[Any]: ...
+
+    def open_at(self, skip: int) -> Iterator[Any]:
+        """A new pass whose first batch is batch ``skip`` of the pass."""
+        ...
 
 DataPosition = dict[str, int]
 
@@ -76,6 +93,10 @@ class ReplayableData:
         self.position += 1
         return entry[2]
 
+    def replays_next(self, batch: Any) -> bool:
+        """Whether the next batch handed out is ``batch`` itself, from memory."""
+        return bool(self._replay) and self._replay[0][2] is batch
+
     @property
     def replaying(self) -> bool:
         """Whether the next batch comes from memory (a step executed again)."""
@@ -113,11 +134,19 @@ class ReplayableData:
         # The first batch is read here too: a lazy iterator (a generator over a
         # DataLoader) starts its DataLoader, and draws, only when first advanced.
         with torch.random.fork_rng(devices=[]):
-            self._iter = iter(self.source)
-            for _ in range(skip):
-                next(self._iter)
+            self._iter = self._open(skip)
             self._primed = next(self._iter, _END)
         self.in_epoch = skip
+
+    def _open(self, skip: int) -> Iterator[Any]:
+        if isinstance(self.source, PositionedSource):
+            return self.source.open_at(skip)
+        if isinstance(self.source, DataLoader):
+            return open_at(self.source, skip)
+        it = iter(self.source)
+        for _ in range(skip):
+            next(it)
+        return it
 
     # ---- the runtime's side ----------------------------------------------
     def mark_step(self, step: int) -> None:

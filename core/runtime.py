@@ -373,6 +373,11 @@ class Runtime:
             if self._optimizers_done >= self._optimizers_total:
                 self.commit_finished()
 
+    def last_forward_started(self) -> None:
+        """The forward of this step's last micro-batch began (adapters that see each forward call it)."""
+        if self.in_step and self._chaos is not None:
+            self._chaos.fire("last_forward", self.step)
+
     def backward_started(self) -> None:
         """A backward pass of this step began: the step's RNG draws and batches are final.
 

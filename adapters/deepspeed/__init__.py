@@ -8,7 +8,7 @@ in the DeepSpeed JSON config, and ``torchpass launch train.py ...``: a failed
 rank's work moves to a hot spare, survivors keep their processes, and the run
 ends bitwise identical to a fault-free one. ``PipelineEngine.train_batch``
 loops and forward/backward/step loops over the engine's training dataloader
-(below ZeRO-3) need nothing else; other loops iterate :func:`steps`. See ``docs/adapters/deepspeed.md``.
+need nothing else; other loops iterate :func:`steps`. See ``docs/adapters/deepspeed.md``.
 
 Under ``torchpass launch`` the engine hook (:func:`install`) is installed as
 soon as the script imports ``deepspeed`` (:mod:`.integration`), so every

@@ -12,9 +12,9 @@ decides:
 * otherwise the engine is checked (:mod:`.support`), the block becomes the
   runtime's config, and the engine instance is hooked
   (:class:`~.migration.EngineMigration`, plus :class:`~.pipeline.TrainBatchGuard`
-  for a ``PipelineEngine``, or :class:`~.dataloader_loop.EngineLoaderLoop` for
-  an engine with a training dataloader below ZeRO stage 3, so an unchanged
-  loop over that loader is migratable). Hooks read subclass state only when they run, so
+  for a ``PipelineEngine``, else :class:`~.dataloader_loop.EngineLoaderLoop`,
+  which owns an unchanged loop's steps through the engine's training
+  dataloader or, without one, the script's own (:mod:`.script_loader`)). Hooks read subclass state only when they run, so
   firing at the end of ``DeepSpeedEngine.__init__`` (inside a subclass's
   constructor) is early enough and late enough.
 
@@ -39,6 +39,7 @@ from .config import block_of, resolve_block
 from .dataloader_loop import EngineLoaderLoop
 from .migration import EngineMigration
 from .pipeline import TrainBatchGuard
+from .script_loader import watch_script_loaders
 from .support import check_supported
 
 __all__ = ["initialize", "install", "migration_of"]
@@ -102,8 +103,10 @@ def _engine_built(engine: DeepSpeedEngine) -> None:
     migration = EngineMigration(engine, rt)
     if isinstance(engine, PipelineEngine):
         TrainBatchGuard(engine, migration).install()
-    elif isinstance(engine.training_dataloader, DeepSpeedDataLoader) and engine.zero_optimization_stage() < 3:
+    else:
         migration.loader_loop = EngineLoaderLoop(engine, migration)
         migration.loader_loop.install()
+        if not isinstance(engine.training_dataloader, DeepSpeedDataLoader):
+            watch_script_loaders(migration.loader_loop)
     setattr(engine, _MIGRATION_ATTRIBUTE, migration)
     _migrating = engine

@@ -67,8 +67,9 @@ __all__ = ["EngineMigration", "OUTSIDE_STEP"]
 OUTSIDE_STEP = (
     "torchpass: the DeepSpeed engine took an optimizer step outside a torchpass step. With the \"torchpass\" "
     "block enabled, a forward/backward/step loop must draw its micro-batches from the engine's training "
-    "dataloader (training_data= of deepspeed.initialize; not at ZeRO stage 3) or iterate "
-    "torchpass.adapters.deepspeed.steps(engine, num_steps) (see docs/adapters/deepspeed.md), or set "
+    "dataloader (training_data= of deepspeed.initialize) or, without one, from a torch DataLoader whose pass "
+    "starts while the engine trains (a subclass with its own __iter__ does not count), or iterate "
+    "torchpass.adapters.deepspeed.steps(engine, num_steps, data=...) (see docs/adapters/deepspeed.md), or set "
     "\"torchpass\": {\"enabled\": false} to train without live migration"
 )
 

@@ -6,8 +6,8 @@ Two local operations (neither issues a collective):
     drops what a step that did not complete left behind, so the rank's
     per-step machinery is exactly as at a step boundary: gradients and their
     accumulators, ZeRO's reduction buckets and bookkeeping, the backward-hook
-    state, ZeRO-3 in-flight gathers, started wall-clock timers, the pipeline's
-    buffers. It mirrors what DeepSpeed itself does when it skips an overflowed
+    state, ZeRO-3 in-flight gathers and in-forward marks, started wall-clock
+    timers, the pipeline's buffers. It mirrors what DeepSpeed itself does when it skips an overflowed
     step. The persistent state (parameters, partitions, moments, counters) is
     the caller's concern.
 
@@ -30,6 +30,7 @@ from deepspeed.runtime.base_optimizer import BackwardHookStateManager, ZeROOptim
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.zero import parameter_offload
+from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
 from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator, ZeRoTraceMode
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
@@ -69,6 +70,12 @@ def clear_interrupted_step(engine: DeepSpeedEngine, forward_stack: int) -> None:
     elif isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3):
         _clear_zero3(optimizer)
         del parameter_offload.FWD_MODULE_STACK[forward_stack:]
+        # What the engine's forward epilogue does: a forward cut short leaves every module
+        # "in forward", and ZeRO-3 then gathers any partitioned parameter read between
+        # steps, a collective only the survivors would issue.
+        for module in engine.module.modules():
+            if isinstance(module._parameters, ZeROOrderedDict):
+                module._parameters._in_forward = False
     else:
         optimizer.zero_grad(set_to_none=True)
     if isinstance(engine, PipelineEngine):

@@ -11,6 +11,9 @@ state a migration must carry over. Two loop styles:
   epochs of ``for batch in trainloader`` over the loader ``deepspeed.initialize``
   returned, ``set_epoch`` on its sampler, forward, ``engine.backward``,
   ``engine.step()``; the loss is recorded before the step at the boundary;
+* ``--own-loader``: the same loop over the script's own torch ``DataLoader``
+  (shuffled ``DistributedSampler``, ``set_epoch``), written as DeepSpeed's
+  Getting Started page writes it: ``for step, batch in enumerate(data_loader)``;
 * ``--pipe``: a 2-stage ``PipelineModule`` (run it on 4 ranks: PP2 x DP2, ZeRO 1)
   trained with ``engine.train_batch(data_iter)`` in a plain ``for`` loop.
 
@@ -154,8 +157,11 @@ def main() -> None:
     p.add_argument("--no-block", action="store_true")
     p.add_argument("--config-form", choices=("dict", "file", "args"), default="dict")
     p.add_argument("--loader-loop", action="store_true", help="an unchanged epoch loop over the engine's training dataloader")
-    p.add_argument("--epochs", type=int, default=3, help="--loader-loop: passes over the data")
-    p.add_argument("--samples", type=int, default=48, help="--loader-loop: dataset size (48: 3 steps per epoch on 2 ranks)")
+    p.add_argument("--own-loader", action="store_true", help="an unchanged epoch loop over the script's own DataLoader")
+    p.add_argument("--epochs", type=int, default=3, help="--loader-loop, --own-loader: passes over the data")
+    p.add_argument(
+        "--samples", type=int, default=48, help="--loader-loop, --own-loader: dataset size (48: 3 steps per epoch on 2 ranks)"
+    )
     args = p.parse_args()
     work = Path(args.workdir)
     for sub in ("progress", "out", "losses"):
@@ -203,15 +209,22 @@ def main() -> None:
             progress.write_text(str(engine.global_steps + 1))
             engine.train_batch(batches)
             time.sleep(args.step_sleep)
-    elif args.loader_loop:
+    elif args.loader_loop or args.own_loader:
         model = Regression()
-        engine, _, trainloader, _ = deepspeed.initialize(
-            model=model, model_parameters=model.parameters(), training_data=dataset(args.samples), **init_kwargs
-        )
+        if args.loader_loop:
+            engine, _, trainloader, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), training_data=dataset(args.samples), **init_kwargs
+            )
+            sampler = trainloader.data_sampler
+        else:
+            engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), **init_kwargs)
+            own = dataset(args.samples)
+            sampler = DistributedSampler(own, shuffle=True, seed=5)
+            trainloader = DataLoader(own, batch_size=MICRO_BATCH, sampler=sampler)
         pending: list[float] = []
         for epoch in range(args.epochs):
-            trainloader.data_sampler.set_epoch(epoch)
-            for x, y in trainloader:
+            sampler.set_epoch(epoch)
+            for _, (x, y) in enumerate(trainloader):
                 progress.write_text(str(engine.global_steps + 1))
                 if engine.micro_steps % GAS == 0:
                     pending = []

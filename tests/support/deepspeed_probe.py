@@ -12,6 +12,8 @@ For each ZeRO stage 0-3 (the reference job's model and config, GA 2):
 * ``forms``: the "torchpass" block is read back from a JSON file and from
   ``--deepspeed_config``;
 * ``unsupported``: ZeRO 0 with bf16 is refused naming the setting;
+* ``refused``: so are ZeRO-Offload, a mixture-of-experts model, and bf16 with
+  fp32 gradient accumulation (``BF16_Optimizer``), each built as a real engine;
 * ``misspelled``: a bad block fails the drop-in ``torchpass.adapters.deepspeed.initialize`` without the launcher too.
 
 The migration hooks talk to a stub runtime here: the checks are about state.
@@ -34,6 +36,21 @@ from torchpass.adapters.deepspeed.config import block_of
 from torchpass.adapters.deepspeed.migration import EngineMigration
 from torchpass.adapters.deepspeed.support import UnsupportedEngine, check_supported
 from torchpass.core.config import ConfigError
+
+
+class Experts(torch.nn.Module):
+    """A model with a DeepSpeed mixture-of-experts layer (two experts, expert parallelism 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.moe = MoE(hidden_size=16, expert=torch.nn.Linear(16, 16), num_experts=2, ep_size=1, k=1)
+        self.head = torch.nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hidden, _, _ = self.moe(x)
+        return torch.nn.functional.mse_loss(self.head(hidden), y)
 
 
 class StubRuntime:
@@ -139,6 +156,24 @@ def main() -> None:
         out["unsupported"] = "accepted"
     except UnsupportedEngine as exc:
         out["unsupported"] = str(exc)
+    out["refused"] = {}
+    zero2 = ds_config(2, None)
+    for name, config, make in (
+        (
+            "offload",
+            {**zero2, "zero_force_ds_cpu_optimizer": False, "zero_optimization": {**zero2["zero_optimization"], "offload_optimizer": {"device": "cpu"}}},
+            Regression,
+        ),
+        ("moe", ds_config(1, None), Experts),
+        ("bf16_optimizer", {**ds_config(1, None), "bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}, Regression),
+    ):
+        model = make()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        try:
+            check_supported(engine)
+            out["refused"][name] = "accepted"
+        except UnsupportedEngine as exc:
+            out["refused"][name] = str(exc)
     model = Regression()
     try:
         torchpass_deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config(1, {"enabeld": True}))

@@ -43,7 +43,14 @@ LOADER_STEPS = 9
 LOADER_JOBS: dict[str, tuple[list[str], int]] = {
     "loader-zero0": (["--loader-loop", "--zero", "0"], 2),
     "loader-zero2": (["--loader-loop", "--zero", "2"], 2),
+    "loader-zero3": (["--loader-loop", "--zero", "3"], 2),
 }
+OWN_LOADER_JOBS: dict[str, tuple[list[str], int]] = {
+    "own-zero1": (["--own-loader", "--zero", "1", "--samples", "40", "--epochs", "4"], 2),
+    "own-zero3": (["--own-loader", "--zero", "3", "--samples", "40", "--epochs", "4"], 2),
+}
+"""The Getting Started loop over the script's own DataLoader: 5 micro-batches per epoch and rank, so with GA 2
+step 3 takes the last micro-batch of epoch 0 and the first of epoch 1."""
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +60,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]
 
     def get(name: str) -> dict:
         if name not in cache:
-            extra, nproc = {**JOBS_BY_NAME, **LOADER_JOBS}[name]
+            extra, nproc = {**JOBS_BY_NAME, **LOADER_JOBS, **OWN_LOADER_JOBS}[name]
             run = launch(tmp_path_factory.mktemp(f"reference-{name}"), JOB, [*ARGS, *extra], nproc=nproc, spares=0)
             assert run.wait() == 0, run.output()[-3000:]
             assert not run.migrations()
@@ -64,7 +71,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]
 
 
 def _start(tmp_path: Path, name: str, **kwargs: Any) -> JobRun:
-    extra, nproc = {**JOBS_BY_NAME, **LOADER_JOBS}[name]
+    extra, nproc = {**JOBS_BY_NAME, **LOADER_JOBS, **OWN_LOADER_JOBS}[name]
     return launch(tmp_path, JOB, [*ARGS, *extra], nproc=nproc, **kwargs)
 
 
@@ -88,7 +95,7 @@ def test_sigkill_random_rank_random_step(tmp_path: Path, reference: Callable[[st
             assert all(s["copy"] in ("live", "snapshot") and s["rank"] != rank for s in sources), (cls, sources)
 
 
-@pytest.mark.parametrize("name", list(LOADER_JOBS))
+@pytest.mark.parametrize("name", ["loader-zero0", "loader-zero2"])
 def test_an_unchanged_loop_over_the_engine_dataloader_is_migratable(
     tmp_path: Path, reference: Callable[[str], dict], name: str
 ) -> None:
@@ -101,6 +108,59 @@ def test_an_unchanged_loop_over_the_engine_dataloader_is_migratable(
     run.inject("kill", rank=rank)
     last = assert_migrated(run, reference(name), pids, {rank}, "kill", max_steps_lost=0 if name == "loader-zero0" else 1)
     assert last["failed_ranks"] == [rank]
+
+
+ZERO3_PHASES = {
+    "step_start": "forward",  # the survivor's first ZeRO-3 gather of the step fails: the forward runs again in place
+    "last_forward": "forward",  # the second micro-batch's gathers fail: a stand-in, then the step from its start
+    "backward": "backward",  # the boundary backward's reduce-scatter fails
+    "commit": "step",  # inside the optimizer step: the survivor is dirty and rolls back to its snapshot
+}
+
+
+def _chaos(step: int, point: str) -> list[str]:
+    return ["--set", "chaos.kill_rank=1", "--set", f"chaos.kill_step={step}", "--set", f"chaos.kill_point={point}"]
+
+
+@pytest.mark.parametrize("point", list(ZERO3_PHASES))
+def test_zero3_unchanged_loop_survives_a_kill_in_each_phase(tmp_path: Path, reference: Callable[[str], dict], point: str) -> None:
+    """The tutorial loop at ZeRO-3: rank 1 is killed at a precise point of step 5; the survivor fails where named."""
+    run = _start(tmp_path, "loader-zero3", extra=_chaos(5, point))
+    run.wait_step(0, 2)
+    pids = run.active_pids()
+    last = assert_migrated(run, reference("loader-zero3"), pids, {1}, "kill", max_steps_lost=1)
+    assert last["failed_ranks"] == [1]
+    assert f"rank 0: engine.{ZERO3_PHASES[point]}() was interrupted by a migration" in run.output(), run.output()[-4000:]
+
+
+@pytest.mark.parametrize("fault, cause", [("hang", "hang"), ("term", "planned")])
+def test_zero3_unchanged_loop_survives_a_stop_and_a_drain(
+    tmp_path: Path, reference: Callable[[str], dict], fault: str, cause: str
+) -> None:
+    rng = fault_rng(f"{fault}-loader-zero3")
+    rank, step = rng.randrange(2), rng.randint(2, LOADER_STEPS - 2)
+    run = _start(tmp_path, "loader-zero3")
+    run.wait_step(rank, step)
+    pids = run.active_pids()
+    run.inject(fault, rank=rank)
+    last = assert_migrated(run, reference("loader-zero3"), pids, {rank}, cause, max_steps_lost=0 if fault == "term" else 1)
+    assert last["failed_ranks"] == [rank]
+
+
+@pytest.mark.parametrize("name, point", [("own-zero1", "last_forward"), ("own-zero3", "step_start")])
+def test_the_scripts_own_dataloader_loop_survives_a_kill_across_an_epoch_boundary(
+    tmp_path: Path, reference: Callable[[str], dict], name: str, point: str
+) -> None:
+    """Getting Started's ``enumerate(data_loader)`` loop, no torchpass in it: rank 1 dies in step 3, which spans
+    epochs 0 and 1. The survivor replays the step's micro-batches from memory (one of them inside epoch 1's
+    pass); the spare's loop runs through epoch 0's pass positioned at its last micro-batch (the batches before
+    it are not loaded), then into epoch 1 with its own ``set_epoch``."""
+    run = _start(tmp_path, name, extra=_chaos(3, point))
+    run.wait_step(0, 2)
+    pids = run.active_pids()
+    last = assert_migrated(run, reference(name), pids, {1}, "kill", max_steps_lost=1)
+    assert last["failed_ranks"] == [1] and last["target_step"] == 3, last
+    assert "the training loop's data loader is a DataLoader of 5 batches" in run.output()
 
 
 def test_sigstop_hang_recovers_within_heartbeat_timeout(tmp_path: Path, reference: Callable[[str], dict]) -> None:

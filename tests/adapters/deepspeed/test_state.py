@@ -56,5 +56,19 @@ def test_an_unsupported_engine_is_refused_naming_the_setting(probe: dict) -> Non
     assert 'drop "bf16"/"fp16"' in probe["unsupported"]
 
 
+@pytest.mark.parametrize(
+    "name, setting",
+    [
+        ("offload", "zero_optimization.offload_optimizer.device = 'cpu'"),
+        ("moe", "mixture-of-experts layers"),
+        ("bf16_optimizer", "BF16_Optimizer"),
+    ],
+)
+def test_each_refused_configuration_names_its_setting(probe: dict, name: str, setting: str) -> None:
+    message = probe["refused"][name]
+    assert message.startswith("torchpass cannot migrate this DeepSpeed engine: ") and setting in message, message
+    assert '"torchpass": {"enabled": false}' in message
+
+
 def test_the_block_is_validated_without_the_launcher(probe: dict) -> None:
     assert probe["misspelled"].startswith('DeepSpeed config block "torchpass": unknown key enabeld'), probe["misspelled"]
