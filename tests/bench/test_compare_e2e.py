@@ -48,7 +48,9 @@ def test_framework_mode_smallest(tmp_path: Path, framework: str) -> None:
         "schedule.tail_steps=2", "strategies=[torchpass,checkpoint]", "docs=false", f"out={tmp_path}",
     ]  # fmt: skip
     if framework == "deepspeed":
-        overrides += ["workload.d_model=64", "workload.layers=1", "workload.heads=2", "workload.vocab=512"]
+        # 2 ranks: the driver's paths are those of 4, at half the CPU on a 2-core runner (TorchTitan's
+        # layouts are defined over 4).
+        overrides += ["world_size=2", "workload.d_model=64", "workload.layers=1", "workload.heads=2", "workload.vocab=512"]
     proc = subprocess.run(
         [sys.executable, "-m", "bench.compare", "--config", framework, *overrides], cwd=REPO, capture_output=True, text=True, timeout=410
     )

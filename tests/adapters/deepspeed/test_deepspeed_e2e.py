@@ -42,7 +42,6 @@ LOADER_STEPS = 9
 """``--loader-loop`` trains 3 epochs of 3 steps: random faults land on both sides of epoch boundaries."""
 LOADER_JOBS: dict[str, tuple[list[str], int]] = {
     "loader-zero0": (["--loader-loop", "--zero", "0"], 2),
-    "loader-zero2": (["--loader-loop", "--zero", "2"], 2),
     "loader-zero3": (["--loader-loop", "--zero", "3"], 2),
 }
 OWN_LOADER_JOBS: dict[str, tuple[list[str], int]] = {
@@ -95,7 +94,7 @@ def test_sigkill_random_rank_random_step(tmp_path: Path, reference: Callable[[st
             assert all(s["copy"] in ("live", "snapshot") and s["rank"] != rank for s in sources), (cls, sources)
 
 
-@pytest.mark.parametrize("name", ["loader-zero0", "loader-zero2"])
+@pytest.mark.parametrize("name", ["loader-zero0"])
 def test_an_unchanged_loop_over_the_engine_dataloader_is_migratable(
     tmp_path: Path, reference: Callable[[str], dict], name: str
 ) -> None:
@@ -111,7 +110,7 @@ def test_an_unchanged_loop_over_the_engine_dataloader_is_migratable(
 
 
 ZERO3_PHASES = {
-    "step_start": "forward",  # the survivor's first ZeRO-3 gather of the step fails: the forward runs again in place
+    # step_start (the survivor's first gather fails: the forward runs again in place) is the own-loader case below.
     "last_forward": "forward",  # the second micro-batch's gathers fail: a stand-in, then the step from its start
     "backward": "backward",  # the boundary backward's reduce-scatter fails
     "commit": "step",  # inside the optimizer step: the survivor is dirty and rolls back to its snapshot
@@ -160,19 +159,12 @@ def test_the_scripts_own_dataloader_loop_survives_a_kill_across_an_epoch_boundar
     pids = run.active_pids()
     last = assert_migrated(run, reference(name), pids, {1}, "kill", max_steps_lost=1)
     assert last["failed_ranks"] == [1] and last["target_step"] == 3, last
-    assert "the training loop's data loader is a DataLoader of 5 batches" in run.output()
-
-
-def test_sigstop_hang_recovers_within_heartbeat_timeout(tmp_path: Path, reference: Callable[[str], dict]) -> None:
-    rng = fault_rng("sigstop-zero2")
-    rank, step = rng.randrange(2), rng.randint(3, STEPS - 3)
-    run = _start(tmp_path, "zero2")
-    run.wait_step(rank, step)
-    pids = run.active_pids()
-    run.inject("hang", rank=rank)
-    last = assert_migrated(run, reference("zero2"), pids, {rank}, "hang", max_steps_lost=1)
-    # fast_detect: heartbeat timeout 3 s, far below any collective timeout.
-    assert last["timings"]["detect"] < 3.0 + 2.0, last["timings"]
+    output = run.output()
+    assert "the training loop's data loader is a DataLoader of 5 batches" in output
+    # ZeRO-1's forward has no collective: the survivor fails in the backward. ZeRO-3's first gather of step 3
+    # fails, and the forward runs again in place.
+    where = "forward" if name == "own-zero3" else "backward"
+    assert f"rank 0: engine.{where}() was interrupted by a migration; step 3" in output, output[-4000:]
 
 
 def test_sigterm_is_a_planned_migration(tmp_path: Path, reference: Callable[[str], dict]) -> None:
