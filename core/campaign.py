@@ -24,7 +24,12 @@ A run is judged:
 * **hang**: the job did not finish within ``job_timeout_s``;
 * **wrong state**: the job exited 0 but some rank's state differs (the worst
   outcome: training went on from the wrong state), or it stopped after a fault
-  the ledger calls qualifying, or a survivor was fenced or replaced.
+  the ledger calls qualifying, or a survivor was fenced or replaced;
+* **void**: the fault never landed (the driver, which reads a rank's step from
+  its heartbeat, saw the job end first) and the job finished exactly as the
+  fault-free run did: the run says nothing about migration and counts neither
+  way. Ended before the fault with any other outcome, it is a hang or a wrong
+  state.
 
 Each run works in a fresh directory of its own (a job's relative outputs, such
 as checkpoints, never leak from one run into the next); launch arguments that
@@ -62,7 +67,7 @@ __all__ = ["CampaignConfig", "KINDS", "FaultRun", "absolute_paths", "run_campaig
 KINDS = ("kill", "hang", "term", "node", "spare", "double")
 """The fault kinds a campaign draws from (see the module docstring)."""
 
-RESOLVED, DISQUALIFIED, HANG, WRONG = "resolved", "disqualified", "hang", "wrong state"
+RESOLVED, DISQUALIFIED, HANG, WRONG, VOID = "resolved", "disqualified", "hang", "wrong state", "void"
 
 
 @dataclass
@@ -340,6 +345,18 @@ def _judge(job: _Job, run: FaultRun, code: int | None, reference: dict[int, dict
     run.verdict = RESOLVED
 
 
+def _judge_unlanded(job: _Job, run: FaultRun, code: int | None, reference: dict[int, dict[str, Any]], why: str) -> None:
+    """The verdict of a run whose fault never landed: void only when the job finished as the fault-free run did."""
+    digests = job.digests() if code == 0 else {}
+    clean = sorted(digests) == sorted(reference) and all(digests[r]["digest"] == reference[r]["digest"] for r in reference)
+    if code == 0 and clean and not [e for e in job.ledger() if e.get("type") == "migration"]:
+        run.verdict, run.reason = VOID, f"the fault never landed: {why}; the job finished as the fault-free run did"
+        return
+    # The job ended, stalled or went wrong on its own, before any fault: that is its failure, not a pass.
+    run.verdict = HANG if code is None else WRONG
+    run.reason = f"before the fault landed: {why} (exit code {code})"
+
+
 def absolute_paths(args: list[str], cwd: Path) -> list[str]:
     """``args`` with every argument (or ``--flag=value`` value) naming an existing relative file made absolute.
 
@@ -395,10 +412,8 @@ def run_campaign(config: CampaignConfig, launch_args: list[str], say: Callable[[
             code = job.finish(config.job_timeout_s)
             _judge(job, run, code, reference, before)
         except _Ended as exc:
-            # The fault never landed (the job ended or stalled first): that is the job's failure, not a pass.
             code = job.finish(config.job_timeout_s)
-            run.verdict = HANG if code is None else WRONG
-            run.reason = f"before the fault landed: {exc} (exit code {code})"
+            _judge_unlanded(job, run, code, reference, str(exc))
         run.seconds = time.monotonic() - t0
         second = f" then rank {run.second_rank}" if run.second_rank is not None else ""
         say(f"[{i + 1}/{config.faults}] {kind} rank {run.rank}{second} at step {run.step}: {run.verdict}"
@@ -410,15 +425,18 @@ def run_campaign(config: CampaignConfig, launch_args: list[str], say: Callable[[
 
 def format_summary(runs: list[FaultRun]) -> str:
     """The campaign's table: outcomes and time lost per fault kind, then every run that was not resolved."""
-    lines = ["| kind | faults | resolved | disqualified | hangs | wrong state | time lost per fault (median, max) |", "|---|---|---|---|---|---|---|"]
+    voids = any(r.verdict == VOID for r in runs)
+    head = "| kind | faults | resolved | disqualified | hangs | wrong state |" + (" void |" if voids else "")
+    lines = [head + " time lost per fault (median, max) |", "|---" * (7 + voids) + "|"]
     for kind in [*KINDS, "all"]:
         rows = [r for r in runs if kind in ("all", r.kind)]
         if not rows:
             continue
-        count = {v: sum(r.verdict == v for r in rows) for v in (RESOLVED, DISQUALIFIED, HANG, WRONG)}
+        count = {v: sum(r.verdict == v for r in rows) for v in (RESOLVED, DISQUALIFIED, HANG, WRONG, VOID)}
         lost = [r.lost_s for r in rows if r.verdict == RESOLVED]
         spread = f"{statistics.median(lost):.2f} s, {max(lost):.2f} s" if lost else "-"
-        lines.append(f"| {kind} | {len(rows)} | {count[RESOLVED]} | {count[DISQUALIFIED]} | {count[HANG]} | {count[WRONG]} | {spread} |")
+        void = f" {count[VOID]} |" if voids else ""
+        lines.append(f"| {kind} | {len(rows)} | {count[RESOLVED]} | {count[DISQUALIFIED]} | {count[HANG]} | {count[WRONG]} |{void} {spread} |")
     bad = [r for r in runs if r.verdict != RESOLVED]
     if bad:
         lines.append("")

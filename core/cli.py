@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _chaos(args: argparse.Namespace) -> int:
-    from .campaign import RESOLVED, format_summary, load_campaign, run_campaign
+    from .campaign import DISQUALIFIED, RESOLVED, VOID, format_summary, load_campaign, run_campaign
 
     launch_args = args.launch_args[1:] if args.launch_args[:1] == ["--"] else args.launch_args
     if not launch_args:
@@ -106,7 +106,8 @@ def _chaos(args: argparse.Namespace) -> int:
         raise SystemExit(f"torchpass chaos: {exc}") from None
     print(format_summary(runs))
     # Disqualified runs are clean refusals with a reason; hangs and wrong states fail the campaign.
-    return 0 if all(r.verdict in (RESOLVED, "disqualified") for r in runs) else 1
+    # A void run (its fault never landed, the job finished clean) fails nothing, but a campaign needs a landed fault.
+    return 0 if all(r.verdict in (RESOLVED, DISQUALIFIED, VOID) for r in runs) and any(r.verdict != VOID for r in runs) else 1
 
 
 if __name__ == "__main__":

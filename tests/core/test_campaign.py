@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from torchpass.core.campaign import DISQUALIFIED, RESOLVED, WRONG, FaultRun, format_summary, load_campaign
+from torchpass.core.campaign import DISQUALIFIED, RESOLVED, VOID, WRONG, FaultRun, format_summary, load_campaign
 
 from tests.support.harness import JOBS
 
@@ -52,6 +52,17 @@ def test_the_summary_counts_outcomes_per_kind_and_lists_what_was_not_resolved() 
     assert "| all | 4 | 2 | 1 | 0 | 1 | 1.00 s, 1.50 s |" in table
     assert "- run 3 (term, rank 3, step 6): wrong state: ranks [3]: final state differs" in table
     assert "run 0" not in table
+    assert "void" not in table  # the column appears only when a run was void
+
+
+def test_a_fault_that_never_landed_is_void_not_a_verdict_on_migration() -> None:
+    runs = [
+        FaultRun(0, "kill", 1, 5, RESOLVED, lost_s=0.5),
+        FaultRun(1, "kill", 0, 11, VOID, "the fault never landed: the job ended while waiting for rank 0 to reach step 11"),
+    ]
+    table = format_summary(runs)
+    assert "| kill | 2 | 1 | 0 | 0 | 0 | 1 | 0.50 s, 0.50 s |" in table, table
+    assert "- run 1 (kill, rank 0, step 11): void: the fault never landed" in table
 
 
 @pytest.mark.e2e
