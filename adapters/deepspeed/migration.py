@@ -53,13 +53,14 @@ from typing import Any, Mapping
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
 from torchpass.core.buffers import ModuleBuffers
 from torchpass.core.runtime import Runtime
 from torchpass.core.topology import Layout
 
 from .layout import check_groups, engine_layout
-from .state import COUNTERS, engine_state
+from .state import COUNTERS, engine_state, zero_partition_padding
 from .step_reset import align_for_reexecution, clear_interrupted_step, forward_stack_depth
 
 __all__ = ["EngineMigration", "OUTSIDE_STEP"]
@@ -90,6 +91,8 @@ class EngineMigration:
         self.engine = engine
         self.runtime = rt
         self.state = engine_state(engine)
+        if isinstance(engine.optimizer, DeepSpeedZeroOptimizer_Stage3):
+            zero_partition_padding(engine.optimizer)
         self._start: _StepStart | None = None
         self._model_step_done = False
         self.loader_loop: Any = None

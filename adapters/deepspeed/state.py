@@ -19,7 +19,11 @@ receives them in place) and the small objects next to them:
 
 The classes are those of :func:`torchpass.core.topology.deepspeed_layout`.
 The ZeRO-3 partitions include DeepSpeed's per-parameter padding, transferred
-as is (its bytes are never read into real values).
+as is (its bytes are never read into real values). DeepSpeed allocates it
+uninitialized, so :func:`zero_partition_padding` sets it to zeros once, when
+the engine is hooked: the rank's whole state then has one fingerprint per
+trajectory, and a fault campaign (which compares whole-state fingerprints
+with the fault-free run's) can judge ZeRO-3 jobs.
 
 The inner optimizer creates its per-parameter state lazily at its first step,
 so an engine that has not stepped (a spare) has none: :meth:`EngineState.load`
@@ -34,6 +38,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from deepspeed.runtime.engine import DeepSpeedEngine
 from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -211,6 +216,25 @@ class _Zero3State(EngineState):
             key for key, bit16 in zip(keys, self.optimizer.fp16_partitioned_groups_flat, strict=True) if not _same_storage(key, bit16)
         ]
         return masters, keys
+
+
+def zero_partition_padding(optimizer: DeepSpeedZeroOptimizer_Stage3) -> None:
+    """Zero the padding after each parameter's share in this rank's ZeRO-3 partitions (low-precision and fp32).
+
+    Parameter ``p``'s partition on data-parallel rank ``r`` holds elements ``r * n .. (r + 1) * n`` of the
+    flattened parameter (``n`` its partition size); those at or past ``p.ds_numel`` are padding.
+    """
+    dp_rank = dist.get_rank(group=optimizer.dp_process_group)
+    with torch.no_grad():
+        for i, params in enumerate(optimizer.fp16_groups):
+            flats = {optimizer.fp16_partitioned_groups_flat[i], optimizer.fp32_partitioned_groups_flat[i]}
+            offset = 0
+            for param in params:
+                part = param.ds_tensor.numel()
+                valid = max(0, min(part, param.ds_numel - dp_rank * part))
+                for flat in flats:
+                    flat[offset + valid : offset + part].zero_()
+                offset += part
 
 
 def engine_state(engine: DeepSpeedEngine) -> EngineState:
