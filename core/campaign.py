@@ -323,7 +323,7 @@ def _judge(job: _Job, run: FaultRun, code: int | None, reference: dict[int, dict
     if sorted(digests) != sorted(reference):
         run.verdict, run.reason = WRONG, f"final digests from ranks {sorted(digests)}, expected {sorted(reference)}"
         return
-    differs = [r for r in reference if digests[r]["digest"] != reference[r]["digest"]]
+    differs = _differing(digests, reference)
     if differs:
         run.verdict, run.reason = WRONG, f"ranks {differs}: final state differs from the fault-free run"
         return
@@ -345,10 +345,15 @@ def _judge(job: _Job, run: FaultRun, code: int | None, reference: dict[int, dict
     run.verdict = RESOLVED
 
 
+def _differing(digests: dict[int, dict[str, Any]], reference: dict[int, dict[str, Any]]) -> list[int]:
+    """Ranks whose final state digest differs from the fault-free run's (both hold every rank)."""
+    return [r for r in reference if digests[r]["digest"] != reference[r]["digest"]]
+
+
 def _judge_unlanded(job: _Job, run: FaultRun, code: int | None, reference: dict[int, dict[str, Any]], why: str) -> None:
     """The verdict of a run whose fault never landed: void only when the job finished as the fault-free run did."""
     digests = job.digests() if code == 0 else {}
-    clean = sorted(digests) == sorted(reference) and all(digests[r]["digest"] == reference[r]["digest"] for r in reference)
+    clean = sorted(digests) == sorted(reference) and not _differing(digests, reference)
     if code == 0 and clean and not [e for e in job.ledger() if e.get("type") == "migration"]:
         run.verdict, run.reason = VOID, f"the fault never landed: {why}; the job finished as the fault-free run did"
         return
