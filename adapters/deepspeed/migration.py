@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
 import torch
 from deepspeed.runtime.engine import DeepSpeedEngine
@@ -63,7 +63,7 @@ from .layout import check_groups, engine_layout
 from .state import COUNTERS, engine_state, zero_partition_padding
 from .step_reset import align_for_reexecution, clear_interrupted_step, forward_stack_depth
 
-__all__ = ["EngineMigration", "OUTSIDE_STEP"]
+__all__ = ["EngineMigration", "LoopState", "OUTSIDE_STEP"]
 
 OUTSIDE_STEP = (
     "torchpass: the DeepSpeed engine took an optimizer step outside a torchpass step. With the \"torchpass\" "
@@ -73,6 +73,37 @@ OUTSIDE_STEP = (
     "torchpass.adapters.deepspeed.steps(engine, num_steps, data=...) (see docs/adapters/deepspeed.md), or set "
     "\"torchpass\": {\"enabled\": false} to train without live migration"
 )
+
+
+class LoopState(Protocol):
+    """State a loop owner keeps beside the engine (the Hugging Face Trainer's counters and running loss).
+
+    The replicated part travels in the engine's ``"global"`` component (every
+    rank holds the same); the local part travels with the rank's small state
+    (mirrored at each step start and when the step's last backward begins), so
+    a spare taking a lost rank receives the lost rank's own.
+    """
+
+    def replicated(self) -> dict[str, Any]:
+        ...
+
+    def load_replicated(self, state: Mapping[str, Any]) -> None:
+        ...
+
+    def local(self) -> dict[str, Any]:
+        ...
+
+    def load_local(self, state: Mapping[str, Any]) -> None:
+        ...
+
+    def resume(self) -> None:
+        """After a migration's rebuild, on every member (see :class:`~torchpass.core.adapter.ResumingProvider`)."""
+        ...
+
+
+_LOOP = "loop"
+"""The key of a :class:`LoopState`'s parts in the ``"engine"`` component and in the small state."""
+_BUFFERS = "buffers"
 
 
 @dataclass
@@ -97,6 +128,8 @@ class EngineMigration:
         self._model_step_done = False
         self.loader_loop: Any = None
         """The :class:`~.dataloader_loop.EngineLoaderLoop` owning an unchanged loop's steps, if installed."""
+        self.loop_state: LoopState | None = None
+        """State of the loop owner beside the engine's, if it keeps any (see :class:`LoopState`)."""
         self._buffers = ModuleBuffers(engine.module)
         self.state.inner.register_step_pre_hook(self._on_inner_step)
         self._take_model_step = engine._take_model_step
@@ -150,12 +183,22 @@ class EngineMigration:
         return engine_layout(self.engine)
 
     def state_components(self) -> tuple[dict[str, Any], dict[str, str]]:
-        return self.state.components()
+        components, classes = self.state.components()
+        if self.loop_state is not None:
+            components["engine"][_LOOP] = self.loop_state.replicated()
+        return components, classes
 
     def load_components(self, components: Mapping[str, Any], *, joining: bool) -> None:
         del joining  # a spare's engine is freshly built: nothing to replay beyond the alignment below
         self.state.load(components)
+        if self.loop_state is not None and "engine" in components:
+            self.loop_state.load_replicated(components["engine"][_LOOP])
         align_for_reexecution(self.engine)
+
+    def resume(self) -> None:
+        """Let the loop owner settle work the interrupted generation left half done (collectives allowed)."""
+        if self.loop_state is not None:
+            self.loop_state.resume()
 
     def discard_step(self) -> None:
         engine, start = self.engine, self._start
@@ -170,10 +213,19 @@ class EngineMigration:
         align_for_reexecution(self.engine)
 
     # ---- SmallStateProvider: persistent buffers -----------------------------------
-    def small_state(self) -> dict[str, torch.Tensor] | None:
-        """This rank's persistent module buffers (BatchNorm statistics, say): DeepSpeed never syncs them across ranks."""
-        return self._buffers.copy() if self._buffers else None
+    def small_state(self) -> dict[str, Any] | None:
+        """This rank's persistent module buffers (BatchNorm statistics, say: DeepSpeed never syncs them across
+        ranks) and the loop owner's local state."""
+        small: dict[str, Any] = {}
+        if self._buffers:
+            small[_BUFFERS] = self._buffers.copy()
+        if self.loop_state is not None:
+            small[_LOOP] = self.loop_state.local()
+        return small or None
 
-    def load_small_state(self, state: Mapping[str, torch.Tensor]) -> None:
-        self._buffers.load(state)
+    def load_small_state(self, state: Mapping[str, Any]) -> None:
+        if _BUFFERS in state:
+            self._buffers.load(state[_BUFFERS])
+        if self.loop_state is not None and _LOOP in state:
+            self.loop_state.load_local(state[_LOOP])
 
