@@ -1,7 +1,14 @@
-"""DeepSpeed adapter benchmark: steady-state overhead of the "torchpass" block per ZeRO stage, and recovery.
+"""DeepSpeed adapter benchmark: steady-state overhead of the "torchpass" block per loop style and ZeRO stage, and recovery.
 
-    python bench/deepspeed_bench.py                 # ZeRO 0-3, 2 ranks, ~4.3M parameters
+    python bench/deepspeed_bench.py                 # steps() loop, ZeRO 0-3, 2 ranks, ~4.3M parameters
     python bench/deepspeed_bench.py --stages 2 --rounds 1 --steps 20
+    python bench/deepspeed_bench.py --loops steps,tutorial,own-loader,trainer --stages 2,3
+
+Loop styles (the same model, data and config in each): ``steps`` iterates
+``torchpass.adapters.deepspeed.steps``; ``tutorial`` is DeepSpeed's tutorial
+loop over the engine's training dataloader, unchanged; ``own-loader`` is the
+Getting Started loop over the script's own DataLoader; ``trainer`` is Hugging
+Face's ``Trainer`` driving the engine (ZeRO 0-2).
 
 For each ZeRO stage, in one invocation so both sides share the machine's
 conditions, ``torchrun`` runs of the job without the block and ``torchpass
@@ -14,9 +21,10 @@ killed mid-training (rank 1 SIGKILLed) and the ledger gives the recovery's
 phase timings and the bytes moved. Results go to ``bench/out/deepspeed.json``
 and a Markdown table on stdout.
 
-The same file is the benchmark's training job (``--worker``): a user-owned
-forward/backward/step loop over ``torchpass.adapters.deepspeed.steps`` that
-appends each step's wall time to a file.
+The same file is the benchmark's training job (``--worker``), in each loop
+style, appending each step's wall time to a file (for the loops written here,
+from the step's first forward to its ``engine.step()`` at the boundary; for the
+Trainer, from ``on_step_begin`` to ``on_step_end``).
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+import torch.utils.data as torch_data
 
 HERE = Path(__file__).resolve()
 OUT = HERE.parent / "out" / "deepspeed.json"
@@ -38,11 +49,12 @@ WARMUP_STEPS = 5
 
 
 # ---- the training job (one rank) -----------------------------------------------------------
+LOOPS = ("steps", "tutorial", "own-loader", "trainer")
+
+
 def worker(args: argparse.Namespace) -> None:
     import deepspeed
     import torch
-
-    from torchpass.adapters.deepspeed import steps
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
@@ -56,13 +68,14 @@ def worker(args: argparse.Namespace) -> None:
             super().__init__()
             self.net = net
 
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.mse_loss(self.net(x), y)
+        def forward(self, x: torch.Tensor, labels: torch.Tensor) -> Any:
+            loss = torch.nn.functional.mse_loss(self.net(x), labels)
+            return {"loss": loss} if args.loop == "trainer" else loss
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(8192, 64, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True).sin())
-    config = {
+    config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 64,
         "gradient_accumulation_steps": 2,
         "steps_per_print": 10**6,
@@ -73,20 +86,81 @@ def worker(args: argparse.Namespace) -> None:
     }
     if args.block:
         config["torchpass"] = {"enabled": True}
-    model = Regression()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), training_data=data, config=config)
     times = open(args.times, "a", buffering=1)
-    for step in steps(engine, args.steps):
-        with step:
-            t0 = time.perf_counter()
-            for xb, yb in step.micro_batches():
-                engine.backward(engine(xb, yb))
-                engine.step()
-            times.write(json.dumps({"step": step.number, "seconds": time.perf_counter() - t0}) + "\n")
+
+    def record(number: int, seconds: float) -> None:
+        times.write(json.dumps({"step": number, "seconds": seconds}) + "\n")
+
+    model = Regression()
+    if args.loop == "trainer":
+        _trainer_worker(args, model, data, config, record)
+        return
+    if args.loop == "steps":
+        from torchpass.adapters.deepspeed import steps
+
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), training_data=data, config=config)
+        for step in steps(engine, args.steps):
+            with step:
+                t0 = time.perf_counter()
+                for xb, yb in step.micro_batches():
+                    engine.backward(engine(xb, yb))
+                    engine.step()
+                record(step.number, time.perf_counter() - t0)
+        return
+    if args.loop == "tutorial":
+        engine, _, loader, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), training_data=data, config=config)
+        sampler = loader.data_sampler
+    else:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        sampler = torch.utils.data.DistributedSampler(data, shuffle=True, seed=5)
+        loader = torch.utils.data.DataLoader(data, batch_size=64, sampler=sampler)
+    t0 = 0.0
+    for epoch in range(10**6):
+        sampler.set_epoch(epoch)
+        for xb, yb in loader:
+            if engine.micro_steps % 2 == 0:
+                t0 = time.perf_counter()
+            engine.backward(engine(xb, yb))
+            engine.step()
+            if engine.micro_steps % 2 == 0:
+                record(engine.global_steps, time.perf_counter() - t0)
+            if engine.global_steps >= args.steps:
+                return
+
+
+def _trainer_worker(args: argparse.Namespace, model: Any, data: Any, config: dict, record: Any) -> None:
+    """The same job under Hugging Face's Trainer: ``"auto"`` where the Trainer fills the DeepSpeed config in."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    config = {**config, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto"}
+    config["optimizer"] = {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}}
+
+    class Pairs(torch_data.Dataset):
+        def __len__(self) -> int:
+            return len(data)
+
+        def __getitem__(self, i: int) -> dict:
+            x, y = data[i]
+            return {"x": x, "labels": y}
+
+    class StepTimes(TrainerCallback):
+        def on_step_begin(self, *_: Any, **__: Any) -> None:
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, _args: Any, state: Any, *__: Any, **___: Any) -> None:
+            record(state.global_step, time.perf_counter() - self.t0)
+
+    training = TrainingArguments(
+        output_dir=str(Path(args.times).parent / "trainer"), per_device_train_batch_size=64, gradient_accumulation_steps=2,
+        max_steps=args.steps, learning_rate=1e-3, weight_decay=0.01, warmup_steps=5, max_grad_norm=1.0, logging_steps=10**6,
+        save_strategy="no", report_to=[], deepspeed=config, ddp_backend="gloo", disable_tqdm=True,
+    )  # fmt: skip
+    Trainer(model=model, args=training, train_dataset=Pairs(), callbacks=[StepTimes()]).train()
 
 
 # ---- the driver ----------------------------------------------------------------------------
-def run_job(kind: str, work: Path, zero: int, args: argparse.Namespace, kill_at: int | None = None) -> dict:
+def run_job(kind: str, work: Path, zero: int, loop: str, args: argparse.Namespace, kill_at: int | None = None) -> dict:
     """One job under ``torchrun`` (no block) or ``torchpass`` (block enabled); optionally SIGKILL rank 1 at a step."""
     from torchpass.core.inject import inject
     from torchpass.core.ledger import read_ledger
@@ -94,7 +168,7 @@ def run_job(kind: str, work: Path, zero: int, args: argparse.Namespace, kill_at:
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     times = work / "times.jsonl"
-    job = [str(HERE), "--worker", "--zero", str(zero), "--steps", str(args.steps), "--width", str(args.width),
+    job = [str(HERE), "--worker", "--loop", loop, "--zero", str(zero), "--steps", str(args.steps), "--width", str(args.width),
            "--depth", str(args.depth), "--times", str(times)]  # fmt: skip
     if kind == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *job]
@@ -122,17 +196,17 @@ def run_job(kind: str, work: Path, zero: int, args: argparse.Namespace, kill_at:
     return out
 
 
-def bench_stage(zero: int, args: argparse.Namespace, scratch: Path) -> dict:
+def bench_stage(zero: int, loop: str, args: argparse.Namespace, scratch: Path) -> dict:
     per_round: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
     samples: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
     for r in range(args.rounds):
         for kind in ("torchrun", "torchpass"):
-            result = run_job(kind, scratch / f"zero{zero}-{kind}-{r}", zero, args)
+            result = run_job(kind, scratch / f"{loop}-zero{zero}-{kind}-{r}", zero, loop, args)
             samples[kind] += result["step_s"]
             per_round[kind].append(statistics.median(result["step_s"]))
     median = {kind: statistics.median(values) for kind, values in samples.items()}
     p10 = {kind: statistics.quantiles(values, n=10)[0] for kind, values in samples.items()}
-    killed = run_job("torchpass", scratch / f"zero{zero}-kill", zero, args, kill_at=args.steps // 2)
+    killed = run_job("torchpass", scratch / f"{loop}-zero{zero}-kill", zero, loop, args, kill_at=args.steps // 2)
     migration = next(m for m in killed["migrations"] if m["outcome"] == "success")
     return {
         "median_step_s": median,
@@ -150,7 +224,9 @@ def main() -> None:
     p.add_argument("--block", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--times", default="", help=argparse.SUPPRESS)
     p.add_argument("--zero", type=int, default=0, help=argparse.SUPPRESS)
-    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to measure, comma-separated")
+    p.add_argument("--loop", choices=LOOPS, default="steps", help=argparse.SUPPRESS)
+    p.add_argument("--loops", default="steps", help=f"loop styles to measure, comma-separated, of {','.join(LOOPS)}")
+    p.add_argument("--stages", default="0,1,2,3", help="ZeRO stages to measure, comma-separated (the Trainer: 0-2)")
     p.add_argument("--rounds", type=int, default=2, help="alternating torchrun/torchpass rounds per stage")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--width", type=int, default=1024)
@@ -160,19 +236,22 @@ def main() -> None:
         worker(args)
         return
     scratch = Path(tempfile.mkdtemp(prefix="ds-bench-"))
-    results = {"width": args.width, "depth": args.depth, "steps": args.steps, "rounds": args.rounds, "cpus": os.cpu_count(), "stages": {}}
-    for zero in map(int, args.stages.split(",")):
-        results["stages"][f"zero{zero}"] = bench_stage(zero, args, scratch)
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(results, indent=1))
+    results: dict[str, Any] = {"width": args.width, "depth": args.depth, "steps": args.steps, "rounds": args.rounds, "cpus": os.cpu_count(), "runs": {}}
+    for loop in args.loops.split(","):
+        for zero in map(int, args.stages.split(",")):
+            if loop == "trainer" and zero == 3:
+                continue  # the Trainer is tested at ZeRO 0-2
+            results["runs"][f"{loop} zero{zero}"] = bench_stage(zero, loop, args, scratch)
+            OUT.parent.mkdir(parents=True, exist_ok=True)
+            OUT.write_text(json.dumps(results, indent=1))
     shutil.rmtree(scratch, ignore_errors=True)
-    print("| ZeRO | torchrun step ms (median / p10) | torchpass + block step ms (median / p10) | ratio (median / p10) "
+    print("| loop, ZeRO | torchrun step ms (median / p10) | torchpass + block step ms (median / p10) | ratio (median / p10) "
           "| recovery total (s) | detect | spare_setup | transfer | rebuild | resume | bytes moved | steps lost |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for name, stage in results["stages"].items():
+    for name, stage in results["runs"].items():
         t = stage["recovery"]["timings"]
         print(
-            f"| {name[4:]} | {stage['median_step_s']['torchrun'] * 1e3:.1f} / {stage['p10_step_s']['torchrun'] * 1e3:.1f} | "
+            f"| {name} | {stage['median_step_s']['torchrun'] * 1e3:.1f} / {stage['p10_step_s']['torchrun'] * 1e3:.1f} | "
             f"{stage['median_step_s']['torchpass'] * 1e3:.1f} / {stage['p10_step_s']['torchpass'] * 1e3:.1f} | "
             f"{stage['ratio']:.3f} / {stage['ratio_p10']:.3f} | {t.get('total', 0):.2f} | {t.get('detect', 0):.2f} | {t.get('spare_setup', 0):.2f} | "
             f"{t.get('transfer', 0):.2f} | {t.get('rebuild', 0):.2f} | {t.get('resume', 0):.2f} | "

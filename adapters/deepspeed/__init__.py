@@ -7,8 +7,8 @@
 in the DeepSpeed JSON config, and ``torchpass launch train.py ...``: a failed
 rank's work moves to a hot spare, survivors keep their processes, and the run
 ends bitwise identical to a fault-free one. ``PipelineEngine.train_batch``
-loops and forward/backward/step loops over the engine's training dataloader
-need nothing else; other loops iterate :func:`steps`. See ``docs/adapters/deepspeed.md``.
+loops, forward/backward/step loops over the engine's training dataloader or
+the script's own, and Hugging Face's ``Trainer`` need nothing else; other loops iterate :func:`steps`. See ``docs/adapters/deepspeed.md``.
 
 Under ``torchpass launch`` the engine hook (:func:`install`) is installed as
 soon as the script imports ``deepspeed`` (:mod:`.integration`), so every
@@ -21,7 +21,8 @@ Modules: :mod:`.integration` (activation under ``torchpass launch``), :mod:`.ins
 :mod:`.support` (what can be migrated), :mod:`.layout` (topology and process
 groups), :mod:`.state` (persistent state per ZeRO stage), :mod:`.step_reset`
 (undoing an interrupted step), :mod:`.migration` (the engine's protocol hooks
-and state provider), :mod:`.dataloader_loop` (an unchanged loop over the engine's dataloader), :mod:`.loop` (``steps()``), :mod:`.pipeline`
+and state provider), :mod:`.dataloader_loop` (an unchanged loop over the engine's dataloader), :mod:`.script_loader`
+(the script's own DataLoader), :mod:`.hf_trainer` (Hugging Face's Trainer), :mod:`.loop` (``steps()``), :mod:`.pipeline`
 (``train_batch``).
 """
 

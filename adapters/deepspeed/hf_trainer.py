@@ -21,12 +21,16 @@ migratable runs the originals) and carries that state (:class:`~.migration.LoopS
 Protocol:
 
 1. *Step start* is ``get_batch_samples`` (before the draw: the engine's
-   counters and the RNG are marked there); the first one attaches the rank.
-   After the draw, the step's micro-batches and the RNG as the draw left it
-   are kept, and the count of tokens across ranks runs guarded.
-2. *Step end* is the ``training_step`` in which ``engine.step()`` took the
-   optimizer step returning. What the Trainer does next (its counters, the
-   log, an evaluation, a checkpoint) is the step's *epilogue*, between steps.
+   counters, the scheduler and the RNG are marked there); the first
+   ``_run_epoch`` attaches the rank. After the draw, the step's micro-batches
+   and the RNG as the draw left it are kept, and the count of tokens across
+   ranks runs guarded.
+2. The ``training_step`` whose ``engine.step()`` takes the optimizer step
+   *counts* the step; what the Trainer does next (its counters, then
+   ``_maybe_log_save_evaluate``: the log, an evaluation, a checkpoint) is the
+   step's *epilogue*. *Step end* is the next draw (or the epoch's end): the
+   version's state, buddy copy included, is the Trainer's at the next step's
+   start.
 3. A collective failing inside a step (the token count, a forward, backward or
    optimizer step) runs the survivor side of the migration right there, and
    the step is executed again *in place*: the RNG as the draw left it, the
@@ -35,13 +39,17 @@ Protocol:
    counted it), then the interrupted one, whose loss is returned. The Trainer
    sees each micro-batch once.
 4. A collective failing in an epilogue (the log's loss gather, ``store_flos``)
-   runs the survivor side too. The members of the new generation then agree
-   (one all-reduce in ``resume()``) whether an epilogue was cut short; if so
-   every member runs it again from the state it began with: a survivor cut
-   short in it, a survivor already past it (its state is put back afterwards:
-   only the collectives are repeated) and a spare (with the lost rank's
-   running loss). A log line may print twice on a rank already past it.
-5. A spare builds its engine in its own ``train()``; its first ``_run_epoch``
+   runs the survivor side too. When the job resumes after the step, the
+   members agree (one all-reduce in ``resume()``) whether an epilogue was cut
+   short; if so every member runs it again from the state it began with: a
+   survivor cut short in it, a survivor already past it (its state is put back
+   afterwards: only the collectives are repeated) and a spare (with the lost
+   rank's running loss). A log line may print twice on a rank already past it.
+5. When the job resumes one step back (a buddy copy lost with its rank right
+   after its optimizer step), a survivor executes that step again without the
+   Trainer, which counted it, and runs the epilogues that followed it again for
+   their collectives; the spare executes it as its own.
+6. A spare builds its engine in its own ``train()``; its first ``_run_epoch``
    attaches it and receives the engine's state and the Trainer's (the lost
    rank's running loss and flos from its mirrored small state). Epochs before
    the job's end at once; the job's epoch runs through the Trainer's own
@@ -49,10 +57,17 @@ Protocol:
    the job's step without loading them), and its first draw leaves the RNG as
    the lost rank had it.
 
-Requires: transformers with ``Trainer._run_epoch`` (5.x); the whole step
-drawn by ``get_batch_samples``; ``include_num_input_tokens_seen`` off (its
-count is a collective between micro-batches); no random numbers drawn
-between steps (callbacks, the epilogue). Refused with an error otherwise.
+Invariants: the Trainer's state at version ``v`` is its state as step
+``v + 1`` begins; every member issues the same collectives after a migration
+(the re-executed step's, and an epilogue's when one is run again); the
+Trainer counts each step and each micro-batch's loss once.
+
+Requires of the job: transformers with ``Trainer._run_epoch`` (5.x); the
+whole step drawn by ``get_batch_samples``; ``include_num_input_tokens_seen``
+off (its count is a collective between micro-batches);
+``buddy_interval_steps`` 1; no random numbers drawn between steps (callbacks,
+the epilogue). Refused with an error naming the setting otherwise, except the
+last.
 """
 
 from __future__ import annotations
@@ -78,6 +93,11 @@ __all__ = ["TrainerSteps", "check_trainer_arguments", "hook_trainer"]
 _IN_MEMORY = "<torchpass: the job's state, received in memory>"
 """What a spare passes as the Trainer's ``resume_from_checkpoint``: the Trainer's resume path positions the
 epoch, no file is read (``_load_rng_state`` of it returns at once)."""
+_WALL_CLOCK = ("_runtime", "_per_second")
+"""Suffixes of the log-history keys the Trainer's ``speed_metrics`` writes (``train_runtime``,
+``eval_samples_per_second``, ...): each rank's own wall-clock measurements, so not replicated state. They stay
+out of what travels: a spare's copy of earlier log entries lacks them, and the replicated state is the same bytes
+on every rank (replica verification, campaign fingerprints)."""
 _STEPS = "_torchpass_trainer_steps"
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
 """The Trainer's own methods, by name, once hooked."""
@@ -314,6 +334,7 @@ class TrainerSteps:
         With a rollback of one step (buddy copies lose the step a rank committed last),
         the step is executed again here, without the Trainer (which counted it), and
         the epilogues that followed it are run again; the spare runs them as its own.
+        A rank whose optimizer step failed where the others' completed resumes after it.
         """
         serial, self._rerun = self._rerun, -1
         counted = self._counted
@@ -325,6 +346,11 @@ class TrainerSteps:
                 steps = [s for s in (self._previous, self._step) if s is not None]
                 for entry in (e for s in steps for e in s.epilogues if e.serial == serial):
                     self._repeat_epilogue(entry)
+            return
+        if first == counted + 2 and self._number == counted + 1:
+            # This rank's optimizer step failed where the others' completed (ZeRO's post-step gather):
+            # it received the step's result from a replica, and the Trainer counts the step now.
+            self._number = first
             return
         step = self._step if self._step is not None and self._step.number == counted else self._previous
         if first != counted or step is None or step.number != counted:
@@ -352,11 +378,12 @@ class TrainerSteps:
     def _repeat_epilogue(self, entry: _Epilogue) -> None:
         """Run a finished epilogue again for its collectives; this rank's state is put back after."""
         trainer = self.trainer
-        now = (self._replicated_now(with_log=True), trainer._tr_loss, float(trainer.current_flos))
+        replicated, log = self._replicated_now(with_log=False), list(trainer.state.log_history)
+        tr_loss, flos = trainer._tr_loss, float(trainer.current_flos)
         self._restore(entry)
         _ORIGINALS["_maybe_log_save_evaluate"](trainer, trainer._tr_loss, *entry.args)
-        replicated, trainer._tr_loss, trainer.current_flos = now
         self._set_replicated(replicated)
+        trainer.state.log_history, trainer._tr_loss, trainer.current_flos = log, tr_loss, flos
 
     def _restore(self, entry: _Epilogue) -> None:
         self._set_replicated(entry.replicated)
@@ -404,7 +431,7 @@ class TrainerSteps:
         log = trainer.state.log_history
         return {
             "state": copy.deepcopy(state),
-            "log": copy.deepcopy(log) if with_log else len(log),
+            "log": [_without_wall_clock(entry) for entry in log] if with_log else len(log),
             "control": dataclasses.asdict(trainer.control),
             "total_loss": trainer._total_loss_scalar,
             "last_logged": trainer._globalstep_last_logged,
@@ -430,7 +457,7 @@ class TrainerSteps:
         entry = self._in_epilogue
         if entry is None:
             return {**self._replicated_now(with_log=True), "epilogue": None}
-        state = {**entry.replicated, "log": copy.deepcopy(self.trainer.state.log_history[: entry.replicated["log"]])}
+        state = {**entry.replicated, "log": [_without_wall_clock(e) for e in self.trainer.state.log_history[: entry.replicated["log"]]]}
         return {**state, "epilogue": {"serial": entry.serial, "args": _without_model(entry.args)}}
 
     def load_replicated(self, state: Mapping[str, Any]) -> None:
@@ -496,6 +523,10 @@ class TrainerSteps:
                 trainer._tr_loss = trainer._tr_loss - trainer._tr_loss
             if trainer.state.total_flos != joined["total_flos"]:
                 trainer.current_flos = 0
+
+
+def _without_wall_clock(entry: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: copy.deepcopy(value) for key, value in entry.items() if not key.endswith(_WALL_CLOCK)}
 
 
 def check_trainer_arguments(args: Any, config: "TorchPassConfig") -> None:
