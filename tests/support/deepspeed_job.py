@@ -33,12 +33,14 @@ bytes differ run to run and never reach a real value), so for ZeRO-3 the
 element ``j`` of parameter ``p``'s partition on data-parallel rank ``r`` is
 digested only if ``r * partition_numel + j < p.ds_numel``.
 
-The pipeline loop imports nothing from torchpass, as a user's script would
-not: the DeepSpeed integration ``torchpass launch`` activates in each worker
-hooks the engine when the script imports ``deepspeed``.
+Only the ``steps()`` loop imports torchpass (``steps`` itself); the other
+loops import nothing from it, as a user's script would not (the digest is
+computed here): the DeepSpeed integration ``torchpass launch`` activates in
+each worker hooks the engine when the script imports ``deepspeed``.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -51,7 +53,6 @@ from deepspeed.pipe import PipelineModule
 from deepspeed.utils import RepeatingLoader
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from torchpass.core.manifest import state_digest
 
 GAS = 2
 MICRO_BATCH = 4
@@ -110,6 +111,28 @@ def zero3_valid_mask(optimizer, sub_group: int, dp_rank: int) -> torch.Tensor:
         mask[offset : offset + valid] = True
         offset += part
     return mask
+
+
+def state_digest(tree) -> str:
+    """SHA-256 over a nest of dicts, lists and tensors: each tensor's path, dtype, shape and bytes, other leaves' repr."""
+    h = hashlib.sha256()
+
+    def walk(obj, path: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().contiguous()
+            h.update(f"{path}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, dict):
+            for key in sorted(obj, key=str):
+                walk(obj[key], f"{path}/{key}")
+        elif isinstance(obj, (list, tuple)):
+            for i, item in enumerate(obj):
+                walk(item, f"{path}/{i}")
+        else:
+            h.update(f"{path}={obj!r}".encode())
+
+    walk(tree, "")
+    return h.hexdigest()
 
 
 def final_digest(engine) -> str:

@@ -4,7 +4,8 @@ The job (``tests/support/hf_trainer_job.py``) is written as Hugging Face's
 DeepSpeed guide writes one: ``TrainingArguments(deepspeed="ds_config.json")``
 with ``"auto"`` values and the ``"torchpass"`` block, a tiny GPT-2 built from a
 config, ``trainer.train()``; it imports nothing from torchpass. ZeRO-2, GA 2,
-a loss logged every step, 3 epochs of 4 steps on 2 ranks. The oracle is the
+a loss logged every step, 3 epochs of 8 steps (the Trainer's DeepSpeed loader
+hands every rank the whole dataset here). The oracle is the
 fault-free run's: every rank's parameters, fp32 partition, Adam moments,
 counters, scheduler and the Trainer's whole log history (losses, gradient
 norms, learning rates, epochs, total flos, the final train loss), bit for bit.
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.e2e
 
 JOB = JOBS / "hf_trainer_job.py"
 ARGS = ["--workdir", ".", "--step-sleep", "0.2"]
-STEPS = 12
-"""3 epochs of 4 steps (64 samples, 2 ranks, micro-batch 4, GA 2)."""
+STEPS = 24
+"""3 epochs of 8 steps (64 samples, micro-batch 4, GA 2)."""
 
 
 @pytest.fixture(scope="module")
@@ -64,9 +65,9 @@ def test_trainer_survives_sigkill_of_a_rank_mid_run(tmp_path: Path, reference: R
 def test_trainer_survives_a_kill_between_steps(
     tmp_path: Path, reference: RunOnce[int, dict], zero: int, step: int, point: str, survivor: str | None
 ) -> None:
-    """Step 4 is the last of epoch 0: the spare joins at epoch 0's last step (rollback) or at epoch 1's start.
-    A kill inside a step (the step runs again in place; a spare joining mid-epoch skips the batches before it
-    without loading them) is the random SIGKILL above, which lands inside a step almost always."""
+    """Step 4 is mid-epoch 0: the spare joins there (the sampler skips the batches before it without loading
+    them). A kill inside a step (the step runs again in place) is the random SIGKILL above, which lands inside
+    a step almost always."""
     run = launch(tmp_path, JOB, [*ARGS, "--zero", str(zero)], nproc=2, extra=_chaos(step, point))
     run.wait_step(0, 2)
     pids = run.active_pids()
