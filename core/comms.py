@@ -33,6 +33,11 @@ Protocol (driven by :mod:`torchpass.core.runtime`):
    inner gloo group for every rebuildable group on the store prefix of the new
    generation. Creation order is the same on every rank (``new_group`` is a
    collective call), so the rebuild cannot deadlock.
+5. ``hold(True)`` makes every group answer locally while keeping its live
+   transport, until ``hold(False)``: for a rank that recovered from a failure
+   inside code the framework runs between steps (a logging barrier, say),
+   whose remaining collectives no peer will issue, because the new generation
+   resumes at the next step.
 
 Invariants: rank numbering and group membership never change; a group object
 is never replaced; an inner group that was released is never used again.
@@ -80,6 +85,7 @@ __all__ = [
     "BACKEND_NAME",
     "RebuildableProcessGroup",
     "groups",
+    "hold",
     "install",
     "rebuild_all",
     "release_generation",
@@ -379,7 +385,7 @@ class RebuildableProcessGroup(dist.ProcessGroup):
     # fiction: every peer is assumed to hold exactly what this rank holds.
     def _run(self, name: str, args: tuple[Any, ...], local: Callable[[], Any]) -> dist.Work:
         transport = self._transport
-        if transport is not None:
+        if transport is not None and not _held:
             if before_collective is not None:
                 before_collective()
             return transport.pending.run(lambda: getattr(transport.group, name)(*args))
@@ -622,6 +628,15 @@ def rebuild_all(base_store: dist.Store, generation: int, connect_timeout: timede
         group.connect(store, generation, connect_timeout)
         names.append(group.group_name)
     return names
+
+
+_held = False
+
+
+def hold(held: bool) -> None:
+    """Answer every group's collectives locally (``True``) or on its transport again (step 5 of the protocol)."""
+    global _held
+    _held = held
 
 
 def go_local_all() -> None:

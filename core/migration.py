@@ -24,7 +24,10 @@ generation ended:
 Spare (:meth:`Migration.join`): it ran the training script with local groups
 up to the first step boundary; it enters the generation of its assignment as
 the rank it replaces, fetching every class of state, and leaves if a later
-plan releases it.
+plan releases it. A framework whose set-up needs the state (Megatron-LM's)
+has the spare fetch it during set-up (:meth:`Migration.prefetch`, still with
+local groups) and enter at the first step boundary; the small state is
+restored only then, since set-up between may draw random numbers.
 
 Invariants: a rank resumes only after ``go`` for a generation whose every
 member loaded the plan's target version; a process whose rank was given to
@@ -69,6 +72,9 @@ class Migration:
         self._rt = rt
         self._timings = Timings()
         self._pending_done: dict[str, Any] | None = None
+        self._prefetched: tuple[int, dict[str, Any] | None] | None = None
+        """(generation, small state) of a spare's :meth:`prefetch`, until it enters that generation."""
+        self._prefetched_at = 0.0
 
     # ---- survivor ----------------------------------------------------------------
     def recover(self, cause: str) -> int:
@@ -153,19 +159,47 @@ class Migration:
         os._exit(0)
 
     # ---- spare -------------------------------------------------------------------
-    def join(self, plan: Plan, assigned_at: float) -> int:
-        """Enter ``plan`` (the spare's assignment) as the rank it replaces; returns the first step to execute."""
-        rt = self._rt
+    def prefetch(self, plan: Plan, assigned_at: float) -> Plan:
+        """Fetch the state of the spare's assignment now, without going live; returns the plan fetched for.
+
+        For frameworks whose set-up must see the state before the loop starts
+        (Megatron-LM sizes its data pipeline and loop counters from a loaded
+        checkpoint) while the set-up's collectives must stay local: the spare
+        enters the generation later, at :meth:`join`, with the small state
+        (RNG streams, data position) restored only then.
+        """
         self._timings = Timings()
         self._timings.add("spare_setup", _now() - assigned_at)
+        while True:
+            failure, small = self._fetch(plan, joining=True, defer_small=True)
+            if not failure:
+                self._prefetched = (plan.generation, small)
+                self._prefetched_at = _now()
+                return plan
+            self._go_live(plan, failure)  # reports the failed attempt; the controller plans again
+            plan = self._next_assignment(plan)
+
+    def join(self, plan: Plan, assigned_at: float) -> int:
+        """Enter ``plan`` (the spare's assignment) as the rank it replaces; returns the first step to execute."""
+        if self._prefetched is None:
+            self._timings = Timings()
+            self._timings.add("spare_setup", _now() - assigned_at)
+        else:
+            self._timings.add("spare_setup", _now() - self._prefetched_at)
         while not self._enter(plan, joining=True):
-            plan = rt.answers.plan(plan.generation + 1)
-            if plan.joins.get(str(rt.rank)) != rt.wid:
-                print(f"[torchpass] spare {rt.wid} was released from rank {rt.rank}; exiting", flush=True)
-                sys.stdout.flush()
-                os._exit(0)
+            plan = self._next_assignment(plan)
         self._pending_done = {"recovered_s": _now() - assigned_at}
         return plan.target_version + 1
+
+    def _next_assignment(self, plan: Plan) -> Plan:
+        """The next plan, if it still gives this spare the rank; else the spare leaves."""
+        rt = self._rt
+        plan = rt.answers.plan(plan.generation + 1)
+        if plan.joins.get(str(rt.rank)) != rt.wid:
+            print(f"[torchpass] spare {rt.wid} was released from rank {rt.rank}; exiting", flush=True)
+            sys.stdout.flush()
+            os._exit(0)
+        return plan
 
     # ---- entering a generation ---------------------------------------------------
     def _enter(self, plan: Plan, *, joining: bool) -> bool:
@@ -176,16 +210,34 @@ class Migration:
         again there, and the controller plans the next generation.
         """
         rt = self._rt
+        assert rt.copier is not None
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched[0] == plan.generation:
+            failure = ""
+            rt.copier.restore_small(prefetched[1], joining=joining)
+        else:
+            failure, _ = self._fetch(plan, joining=joining, defer_small=False)
+        return self._go_live(plan, failure)
+
+    def _fetch(self, plan: Plan, *, joining: bool, defer_small: bool) -> tuple[str, dict[str, Any] | None]:
+        """Load what ``plan`` says this rank fetches; returns the failure ("" if none) and any deferred small state."""
+        rt = self._rt
         assert rt.rank is not None and rt.copier is not None
-        failure = ""
+        failure, small = "", None
         t0 = _now()
         try:
-            rt.copier.apply(plan, self._timings, joining=joining)
+            small = rt.copier.apply(plan, self._timings, joining=joining, defer_small=defer_small)
             rt.version = plan.target_version
         except (TransferError, OSError) as exc:
             failure = f"rank {rt.rank} could not fetch its state: {exc}"
             print(f"[torchpass] {failure}", file=sys.stderr, flush=True)
         self._timings.add("transfer", _now() - t0)
+        return failure, small
+
+    def _go_live(self, plan: Plan, failure: str) -> bool:
+        """Report this attempt (ready, or its failure), wait for ``go``, and rebuild the groups on ``plan.generation``."""
+        rt = self._rt
+        assert rt.rank is not None
         rt.publish_rankinfo(plan.generation)
         answer = Ready(rt.wid, plan.generation, failure)
         put_counted(rt.store, plan.generation, "ready", Keys.ready(plan.generation, rt.rank), answer)

@@ -236,44 +236,25 @@ class Runtime:
             self._pool = ReceivePool(int(expected * 1.05))
 
     # ---- attach ---------------------------------------------------------
+    def prefetch(self, provider: StateProvider, data: ReplayableData | None = None) -> int:
+        """A spare: load its assignment's state now, during set-up, and enter at :meth:`attach`; returns its version.
+
+        For frameworks whose set-up needs the state (see ``Migration.prefetch``).
+        """
+        if self.role != "spare" or self._plan is None:
+            raise RuntimeError("prefetch is for a spare that was given a rank, before it attaches")
+        self._bind(provider, data, [])
+        self._plan = self.migration.prefetch(self._plan, self._t_assigned)
+        return self._plan.target_version
+
     def attach(self, provider: StateProvider, data: ReplayableData | None, start_step: int, optimizers: list[torch.optim.Optimizer]) -> int:
         """Called at the first step boundary; returns the first step to execute."""
-        self.provider = provider
-        self.data = data
-        self._optimizers_total = len(optimizers)
-        for opt in optimizers:
-            opt.register_step_pre_hook(self._commit_begin)
-            opt.register_step_post_hook(self._commit_end)
-        assert self.rank is not None
-        self._mirror = SmallStateMirror(self.store_address, self.rank)
-        comms.before_collective = self._before_collective
-        # Watching the generation from here on: a fault during start-up or during a
-        # spare's join must release this rank's waits too.
-        self.monitor.start()
+        if self.copier is None:
+            self._bind(provider, data, optimizers)
+        elif provider is not self.provider or data is not self.data or optimizers:
+            raise RuntimeError("attach after prefetch: pass the provider and data given to prefetch, and no optimizers")
         layout = provider.layout()
-        sharded = set(layout.sharded_classes())
-        mode = self.config.redundancy
-        if mode == "buddy" or (mode == "auto" and sharded):
-            push = set(layout.state_classes) if mode == "buddy" else sharded
-            self.buddy = BuddyKeeper(
-                rank=self.rank,
-                classes_to_push=push | {SMALL_CLASS},
-                chunk_bytes=self.config.transfer_chunk_bytes,
-                retries=self.config.transfer_retries,
-                timeout=self.config.rebuild_timeout_s,
-                secret=self.secret,
-                publish=lambda captured, copy: self.server.publish(captured, copy),
-                withdraw=self.server.withdraw,
-            )
-        elif mode == "replica" and sharded:
-            print(
-                f"[torchpass] rank {self.rank}: redundancy 'replica' leaves state classes {sorted(sharded)} without a "
-                "second copy: losing a rank will stop the job (use 'auto' or 'buddy')",
-                file=sys.stderr,
-                flush=True,
-            )
-        self._routing = BuddyRouting(self.store, self.rank, self.world_size)
-        self.copier = StateCopier(self.rank, provider, data, self.config, self.store, self.buddy, lambda: self._pool, self.secret)
+        assert self.rank is not None and self.copier is not None
         if self.role == "spare":
             assert self._plan is not None
             first = self.migration.join(self._plan, self._t_assigned)
@@ -315,6 +296,45 @@ class Runtime:
         self._attached = True
         self.phase = "train"
         return first
+
+    def _bind(self, provider: StateProvider, data: ReplayableData | None, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Take the framework's state and data, hook its optimizers, and set up the state copier and buddy keeper."""
+        self.provider = provider
+        self.data = data
+        self._optimizers_total = len(optimizers)
+        for opt in optimizers:
+            opt.register_step_pre_hook(self._commit_begin)
+            opt.register_step_post_hook(self._commit_end)
+        assert self.rank is not None
+        self._mirror = SmallStateMirror(self.store_address, self.rank)
+        comms.before_collective = self._before_collective
+        # Watching the generation from here on: a fault during start-up or during a
+        # spare's join must release this rank's waits too.
+        self.monitor.start()
+        layout = provider.layout()
+        sharded = set(layout.sharded_classes())
+        mode = self.config.redundancy
+        if mode == "buddy" or (mode == "auto" and sharded):
+            push = set(layout.state_classes) if mode == "buddy" else sharded
+            self.buddy = BuddyKeeper(
+                rank=self.rank,
+                classes_to_push=push | {SMALL_CLASS},
+                chunk_bytes=self.config.transfer_chunk_bytes,
+                retries=self.config.transfer_retries,
+                timeout=self.config.rebuild_timeout_s,
+                secret=self.secret,
+                publish=lambda captured, copy: self.server.publish(captured, copy),
+                withdraw=self.server.withdraw,
+            )
+        elif mode == "replica" and sharded:
+            print(
+                f"[torchpass] rank {self.rank}: redundancy 'replica' leaves state classes {sorted(sharded)} without a "
+                "second copy: losing a rank will stop the job (use 'auto' or 'buddy')",
+                file=sys.stderr,
+                flush=True,
+            )
+        self._routing = BuddyRouting(self.store, self.rank, self.world_size)
+        self.copier = StateCopier(self.rank, provider, data, self.config, self.store, self.buddy, lambda: self._pool, self.secret)
 
     # ---- per-step hooks -------------------------------------------------
     def step_begin(self, step: int) -> None:

@@ -99,8 +99,13 @@ class StateCopier:
         return capture(components, classes, version, meta={"classes": classes})
 
     # ---- loading a plan --------------------------------------------------------
-    def apply(self, plan: Plan, timings: Timings, *, joining: bool) -> None:
-        """Read and load what ``plan`` says this rank fetches (``joining``: this process is a spare taking the rank)."""
+    def apply(self, plan: Plan, timings: Timings, *, joining: bool, defer_small: bool = False) -> dict[str, Any] | None:
+        """Read and load what ``plan`` says this rank fetches (``joining``: this process is a spare taking the rank).
+
+        With ``defer_small`` the small state is returned instead of restored (the
+        caller restores it with :meth:`restore_small` once the rank goes live);
+        otherwise None.
+        """
         rank_plan = plan.rank_plan(self.rank)
         target = plan.target_version
         by_sources: dict[tuple[tuple[int, str], ...], set[str]] = {}
@@ -119,6 +124,13 @@ class StateCopier:
                 raise TransferError(f"rank {self.rank}'s mirror has no record for step {target}")
         if received:
             self.provider.load_components(received, joining=joining)
+        if defer_small:
+            return small
+        self.restore_small(small, joining=joining)
+        return None
+
+    def restore_small(self, small: dict[str, Any] | None, *, joining: bool) -> None:
+        """Restore a received small state: data position, then RNG streams and the provider's extras."""
         if small is not None:
             # Data before RNG. ReplayableData starts epoch iterators with the global RNG
             # saved and restored, so the order is for sources that draw when advanced.

@@ -30,13 +30,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, get_type_hints
 
 from torchpass.core import runtime
 from torchpass.core.config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge
 
-__all__ = ["ConfigFlag", "add_torchpass_args", "config_flags", "config_from_args"]
+__all__ = ["ConfigFlag", "add_torchpass_args", "config_flags", "config_from_args", "warn_without_launcher"]
 
 SWITCH = "--torchpass"
 _LAUNCHER_ONLY = frozenset({"enabled", "spares_per_node", "run_dir"})
@@ -156,6 +157,15 @@ def _reject_unknown_torchpass_flags(parser: argparse.ArgumentParser, known: Sequ
     parser.parse_known_args = checked  # type: ignore[method-assign]
 
 
+class _Switch(argparse._StoreTrueAction):
+    """``--torchpass``: on, with a one-line warning when no ``torchpass launch`` started this process."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        super().__call__(parser, namespace, values, option_string)
+        if runtime.current() is None:
+            warn_without_launcher()
+
+
 def add_torchpass_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--torchpass`` and the ``--torchpass-*`` flags; an ``extra_args_provider`` for Megatron."""
     flags = config_flags()
@@ -163,7 +173,7 @@ def add_torchpass_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "torchpass", "live migration of failed ranks to hot spares (start the job with `torchpass launch`)"
     )
     group.add_argument(
-        SWITCH, action="store_true", help="make training migratable: a failed rank's work moves to a hot spare"
+        SWITCH, action=_Switch, help="make training migratable: a failed rank's work moves to a hot spare"
     )
     for flag in flags:
         if flag.kind is bool:
@@ -205,3 +215,19 @@ def config_from_args(args: argparse.Namespace) -> TorchPassConfig | None:
         overrides = deep_merge(dict(overrides), _nested(flag.path, value))
     names = " ".join(f"{f.flag} {v}" for f, v in given.items()) or "no --torchpass-* flags"
     return config_from_mapping(deep_merge(base, overrides), source=f"torchpass config (launcher's, then {names})")
+
+
+_warned = False
+
+
+def warn_without_launcher() -> None:
+    """One line on stderr, once per process: ``--torchpass`` was given but the job was not started by ``torchpass launch``."""
+    global _warned
+    if not _warned:
+        _warned = True
+        print(
+            "[torchpass] --torchpass: this process was not started by `torchpass launch`; training runs without live "
+            "migration",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -57,18 +57,15 @@ re-iterable (a DataLoader, a dataset), not a one-shot iterator.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from megatron.core import num_microbatches_calculator
 from megatron.core import parallel_state as ps
-from megatron.core.optimizer import ChainedOptimizer, MegatronOptimizer
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from torch.nn.parallel import DistributedDataParallel
 
 from torchpass.core import ddp as ddp_support
 from torchpass.core import runtime
@@ -78,7 +75,9 @@ from torchpass.core.data import ReplayableData
 from torchpass.core.loop import Step, steps
 
 from .data import ReplayingIterator
+from .flags import warn_without_launcher
 from .layout import DEFAULT_ORDER
+from .optimizers import check_supported, torch_optimizers
 from .state import MegatronState, Progress
 
 __all__ = ["MegatronRun", "RecordLosses"]
@@ -93,7 +92,7 @@ class MegatronRun:
     ``model``: the model chunk(s), wrapped in megatron-core's or torch's
     ``DistributedDataParallel`` (or with a ``finalize_model_grads_func`` in the
     model config); one chunk per virtual pipeline stage. ``optimizer``: a torch
-    optimizer or a Megatron optimizer (not the distributed optimizer).
+    optimizer or a Megatron optimizer (the distributed optimizer included).
     ``data``: a re-iterable source of micro-batches for this rank.
     ``torchpass``: the config from :func:`~.flags.config_from_args`; None (no
     ``--torchpass``) runs the plain loop. ``order``: the order string given to
@@ -118,7 +117,7 @@ class MegatronRun:
         decoder_seq_length: int | None = None,
     ):
         chunks = [model] if isinstance(model, torch.nn.Module) else list(model)
-        _check_supported(chunks, optimizer)
+        check_supported(chunks, optimizer)
         self.model = chunks
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -128,12 +127,7 @@ class MegatronRun:
         self._runtime = runtime.current() if torchpass is not None else None
         if torchpass is not None:
             if self._runtime is None:
-                warnings.warn(
-                    "--torchpass: this process was not started by `torchpass launch`; "
-                    "training runs without live migration",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                warn_without_launcher()
             else:
                 # The runtime reports rank 0's config to the controller when it attaches: the flags govern the job.
                 self._runtime.config = torchpass
@@ -156,7 +150,7 @@ class MegatronRun:
                 ddp_support.check_supported(ddp)
             for chunk in chunks:
                 watch_backward(chunk, self._on_backward_start)
-            for opt in _torch_optimizers(optimizer):
+            for opt in torch_optimizers(optimizer):
                 opt.register_step_pre_hook(lambda *_: self._commit_started())
 
     @property
@@ -284,42 +278,3 @@ def _couple_model_replica() -> None:
     for group in groups:
         if group.size() > 1:
             dist.all_reduce(torch.zeros(1), group=group)
-
-
-def _torch_optimizers(optimizer: torch.optim.Optimizer | MegatronOptimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers whose ``step()`` changes the state (inside a Megatron optimizer, the wrapped ones)."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    if isinstance(optimizer, ChainedOptimizer):
-        return [inner for chained in optimizer.chained_optimizers for inner in _torch_optimizers(chained)]
-    if isinstance(optimizer, MegatronOptimizer):
-        # A stub optimizer (a rank without trainable parameters) wraps none.
-        return [optimizer.optimizer] if optimizer.optimizer is not None else []
-    raise TypeError(
-        f"torchpass: unsupported optimizer {type(optimizer).__name__}; expected a torch or a Megatron optimizer"
-    )
-
-
-def _check_supported(chunks: Sequence[torch.nn.Module], optimizer: Any) -> None:
-    """Refuse set-ups the adapter cannot migrate, or that silently train wrong, before anything runs."""
-    megatron_optimizers = optimizer.chained_optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
-    if any(isinstance(o, DistributedOptimizer) for o in megatron_optimizers):
-        raise ValueError(
-            "torchpass: Megatron's DistributedOptimizer is not supported yet: its shards live in CUDA buffers and "
-            "its state API gathers them with collectives, while torchpass moves per-rank CPU state; use "
-            "use_distributed_optimizer=False"
-        )
-    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
-    if len(chunks) != (vpp or 1):
-        raise ValueError(
-            f"torchpass: got {len(chunks)} model chunk(s) but the virtual pipeline size is {vpp}; pass every chunk"
-        )
-    if ps.get_pipeline_model_parallel_world_size() > 1 and any(
-        isinstance(m, DistributedDataParallel) for chunk in chunks for m in chunk.modules()
-    ):
-        raise ValueError(
-            "torchpass: torch DistributedDataParallel under megatron-core's pipeline schedules never all-reduces "
-            "gradients (the schedule enters no_sync before the forwards); wrap the chunks in "
-            "megatron.core.distributed.DistributedDataParallel instead"
-        )
-    _torch_optimizers(optimizer)  # raises TypeError for an optimizer that is neither torch's nor Megatron's

@@ -178,7 +178,7 @@ class JobRun:
 
     def stray_files(self) -> list[str]:
         """Files the job wrote outside its progress, output and run directories (checkpoints, say)."""
-        allowed = {"progress", "out", "losses", "grad_norms", "run", "launcher0.log", "launcher1.log", "job.secret"}
+        allowed = {"progress", "out", "losses", "logged_losses", "grad_norms", "run", "launcher0.log", "launcher1.log", "job.secret"}
         return sorted(str(p.relative_to(self.workdir)) for p in self.workdir.iterdir() if p.name not in allowed)
 
 

@@ -1,97 +1,106 @@
-"""The Megatron-LM hooks, against a stand-in for ``megatron.training`` (Megatron-LM is not on PyPI).
+"""The Megatron-LM hooks against Megatron-LM's own ``megatron.training`` (megatron-core 0.17.0), in a subprocess.
 
-The stand-in (tests/support/megatron/megatron_lm_stand_in) has only the
-functions the hooks depend on, with Megatron-LM's signatures and call paths
-(``parse_args`` -> ``add_megatron_arguments`` through the module global,
-``initialize_megatron`` binding ``parse_args`` by name, ``train`` ->
-``train_step`` through the module global). It checks the hooks' wiring; it is
-not a model of Megatron-LM.
+The test process imports the installed megatron-core 0.16.1; each case runs a
+short Python program with the provisioned 0.17.0 first on ``PYTHONPATH``
+(``megatron_lm_env``), which parses arguments through Megatron-LM's real
+``parse_args`` and ``inprocess_restart`` and prints what it saw.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
-from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
+import textwrap
 
 import pytest
 
+PRELUDE = """
+import json, sys
 from torchpass.adapters.megatron import install_megatron_lm_hooks
-from torchpass.adapters.megatron.megatron_lm import MEGATRON_LM_UNSUPPORTED
-
-STAND_IN = Path(__file__).resolve().parents[3] / "tests" / "support" / "megatron" / "megatron_lm_stand_in"
-
-
-def _forget_megatron_training() -> None:
-    for name in [n for n in sys.modules if n == "megatron.training" or n.startswith("megatron.training.")]:
-        del sys.modules[name]
-
-
-@pytest.fixture
-def megatron_lm(monkeypatch: pytest.MonkeyPatch) -> Iterator[ModuleType]:
-    """The stand-in ``megatron.training``, hooked; removed again afterwards."""
-    monkeypatch.syspath_prepend(str(STAND_IN))
-    _forget_megatron_training()
-    assert install_megatron_lm_hooks() is True
-    import megatron.training
-
-    yield megatron.training
-    _forget_megatron_training()
-
-
-def _user_flags(parser):  # the script's own extra_args_provider
+assert install_megatron_lm_hooks() is True
+def user_flags(parser):  # the script's own extra_args_provider
     parser.add_argument("--user-flag", default="unset")
     return parser
+"""
 
 
-def test_without_megatron_lm_there_is_nothing_to_hook() -> None:
-    _forget_megatron_training()
-    assert install_megatron_lm_hooks() is False
+def _run(env: dict[str, str], body: str, argv: list[str]) -> subprocess.CompletedProcess[str]:
+    code = PRELUDE + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", code, *argv], env={**os.environ, **env}, capture_output=True, text=True, timeout=120
+    )
 
 
-def test_pretrain_accepts_the_flags_next_to_the_scripts_own(megatron_lm: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """core_v0.16/0.17: pretrain(..., extra_args_provider=...) parses through initialize_megatron."""
-    argv = ["pretrain_gpt.py", "--num-layers", "2", "--train-iters", "1", "--torchpass", "--torchpass-buddy-interval-steps", "3", "--user-flag", "u"]
-    monkeypatch.setattr(sys, "argv", argv)
-    with pytest.raises(RuntimeError, match="cannot protect Megatron-LM's own training loop") as exc:
-        megatron_lm.pretrain(None, None, None, None, extra_args_provider=_user_flags)
-    assert str(exc.value) == MEGATRON_LM_UNSUPPORTED
-    args = megatron_lm.get_args()
-    assert args.torchpass and args.torchpass_buddy_interval_steps == 3 and args.user_flag == "u" and args.num_layers == 2
-
-
-def test_parse_and_validate_args_accepts_the_flags(megatron_lm: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """core_v0.18 on: the script calls parse_and_validate_args(extra_args_provider=...) itself."""
-    from megatron.training.arguments import parse_and_validate_args
-
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--torchpass", "--torchpass-redundancy", "buddy", "--user-flag", "v"])
-    args = parse_and_validate_args(extra_args_provider=_user_flags)
-    assert args.torchpass and args.torchpass_redundancy == "buddy" and args.user_flag == "v"
-
-
-def test_without_the_flag_megatron_lm_trains_as_before(megatron_lm: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--train-iters", "2"])
-    assert megatron_lm.pretrain(None, None, None, None) == 2
-    assert megatron_lm.get_args().torchpass is False
-
-
-def test_installing_twice_hooks_once(megatron_lm: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    from megatron.training import arguments
-
-    hooked = arguments.add_megatron_arguments
-    assert install_megatron_lm_hooks() is True
-    assert arguments.add_megatron_arguments is hooked
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--torchpass"])
-    assert arguments.parse_args().torchpass  # one torchpass group: argparse would reject a second
-
-
-def test_a_misspelled_flag_fails_even_when_unknown_args_are_ignored(
-    megatron_lm: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_megatron_lm_parses_the_flags_next_to_the_scripts_own(megatron_lm_env: dict[str, str]) -> None:
+    """Megatron-LM's parse_args (as pretrain and inprocess_restart call it) accepts --torchpass and --torchpass-*."""
+    body = """
     from megatron.training.arguments import parse_args
+    args = parse_args(extra_args_provider=user_flags)
+    print(json.dumps([args.torchpass, args.torchpass_buddy_interval_steps, args.user_flag, args.num_layers]))
+    """
+    argv = ["--num-layers", "2", "--torchpass", "--torchpass-buddy-interval-steps", "3", "--user-flag", "u"]
+    result = _run(megatron_lm_env, body, argv)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[-1]) == [True, 3, "u", 2]
 
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--torchpass", "--torchpass-heartbeat-intervl-s", "2"])
-    with pytest.raises(SystemExit):
-        parse_args(ignore_unknown_args=True)
-    assert "did you mean --torchpass-heartbeat-interval-s?" in capsys.readouterr().err
+
+def test_installing_twice_hooks_once(megatron_lm_env: dict[str, str]) -> None:
+    body = """
+    from megatron.training import arguments, training
+    hooked = (arguments.add_megatron_arguments, training.train_step, training.setup_model_and_optimizer)
+    assert install_megatron_lm_hooks() is True
+    assert hooked == (arguments.add_megatron_arguments, training.train_step, training.setup_model_and_optimizer)
+    print(arguments.parse_args().torchpass)  # one torchpass group: argparse would reject a second
+    """
+    result = _run(megatron_lm_env, body, ["--torchpass"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == "True"
+
+
+def test_a_misspelled_flag_fails_even_when_unknown_args_are_ignored(megatron_lm_env: dict[str, str]) -> None:
+    body = """
+    from megatron.training.arguments import parse_args
+    parse_args(ignore_unknown_args=True)
+    """
+    result = _run(megatron_lm_env, body, ["--torchpass", "--torchpass-heartbeat-intervl-s", "2"])
+    assert result.returncode == 2
+    assert "did you mean --torchpass-heartbeat-interval-s?" in result.stderr
+
+
+def test_inprocess_restart_with_torchpass_is_refused_before_set_up(megatron_lm_env: dict[str, str]) -> None:
+    """pretrain_gpt.py's __main__ wraps pretrain for in-process restart first: the refusal comes there."""
+    body = """
+    from megatron.training import inprocess_restart
+    inprocess_restart.maybe_wrap_for_inprocess_restart(lambda *a, **k: None)
+    """
+    result = _run(megatron_lm_env, body, ["--inprocess-restart", "--torchpass"])
+    assert result.returncode == 1
+    assert "--torchpass cannot be combined with --inprocess-restart" in result.stderr
+
+
+def test_without_torchpass_launch_the_flag_is_accepted_with_one_warning_line(megatron_lm_env: dict[str, str]) -> None:
+    """No runtime: --torchpass parses (twice, as pretrain_gpt.py does) and says once that nothing is protected."""
+    body = """
+    from megatron.training.arguments import parse_args
+    assert parse_args(ignore_unknown_args=True).torchpass and parse_args().torchpass
+    """
+    result = _run(megatron_lm_env, body, ["--torchpass"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if "torchpass" in line]
+    assert lines == [
+        "[torchpass] --torchpass: this process was not started by `torchpass launch`; training runs without live migration"
+    ]
+
+
+@pytest.mark.parametrize("flag", ["--iterations-to-skip 3", "--perform-rl-step"])
+def test_loop_changes_outside_train_step_are_refused(megatron_lm_env: dict[str, str], flag: str) -> None:
+    body = """
+    from megatron.training.arguments import parse_args
+    from torchpass.adapters.megatron.megatron_lm_loop import refuse_unsupported
+    refuse_unsupported(parse_args(ignore_unknown_args=True))
+    """
+    result = _run(megatron_lm_env, body, ["--torchpass", *flag.split()])
+    assert result.returncode == 1
+    assert f"--torchpass cannot be combined with {flag.split()[0]}" in result.stderr
