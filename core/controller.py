@@ -61,6 +61,7 @@ from .control import (
     try_get,
 )
 from .rng import rng_digest
+from .safe_pickle import ForbiddenObject
 from .ledger import DISQUALIFYING, QUALIFYING, JobEvent, Ledger, MigrationEvent
 from .signed_store import FORGED
 from .liveness import BeatWatch
@@ -580,7 +581,7 @@ class Controller:
             spares=[SpareInfo(w, n) for w, n in sorted(self.spares.items())]
             + [SpareInfo(w, self.node_of[w]) for w in sorted(self.sticky.values()) if w not in self.lost_wids],
             node_of=self.node_of,
-            mirrors=_StoreMirrors(self.store, self.spec.world_size),
+            mirrors=_StoreMirrors(self.store, self.spec.world_size, self._on_bad_record),
             sticky=self.sticky,
             cause=m.cause,
         )
@@ -858,14 +859,21 @@ class _StoreMirrors(Mapping[int, MirrorInfo]):
     three digests per rank: seconds for one migration at 16,384 ranks.
     """
 
-    def __init__(self, store: dist.Store, world_size: int):
+    def __init__(self, store: dist.Store, world_size: int, on_bad_record: Callable[[str, str], None]):
         self._store = store
         self._world_size = world_size
+        self._on_bad_record = on_bad_record
         self._cache: dict[int, MirrorInfo | None] = {}
 
     def _load(self, rank: int) -> MirrorInfo | None:
         if rank not in self._cache:
-            records = read_mirror(self._store, rank)
+            try:
+                records = read_mirror(self._store, rank)
+            except ForbiddenObject as exc:
+                # A record the controller may not load (a type the provider put in its small state that
+                # safe_pickle does not allow): that rank has no usable mirror, and the plan does without.
+                self._on_bad_record(f"the small-state mirror of rank {rank}", str(exc))
+                records = {}
             self._cache[rank] = MirrorInfo({v: rng_digest(rec["rng"]) for v, rec in records.items()}) if records else None
         return self._cache[rank]
 

@@ -59,6 +59,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 from megatron.core import num_microbatches_calculator as microbatches
 from megatron.core import parallel_state as ps
 from megatron.core.rerun_state_machine import RerunDataIterator
@@ -70,6 +72,7 @@ from . import rerun
 from .data import StepReplay
 from .flags import config_from_args, warn_without_launcher
 from .layout import DEFAULT_ORDER
+from .losses import reduce_losses
 from .optimizers import check_supported, torch_optimizers
 from .state import MegatronState, Progress, StepPhase
 
@@ -197,6 +200,12 @@ class MegatronLMLoop:
         self._backwards_per_step = 0
         self._redo: int | None = None
         """An iteration train() completed that a migration between iterations rolled back: run again first."""
+        self._train_at = 0
+        """The last iteration whose ``train_step`` returned to train() (the code after it then runs)."""
+        self._hold_epilogue_of: int | None = None
+        """An iteration whose following code the others ran before the migration: held here when it runs."""
+        self._losses: dict[str, torch.Tensor] | None = None
+        """The executing iteration's losses, reduced as Megatron-LM does, once its forward-backward finished."""
 
     # ---- setup_model_and_optimizer -------------------------------------------------
     def setup(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -246,6 +255,7 @@ class MegatronLMLoop:
         if "iteration" not in kwargs:
             raise TypeError("torchpass: Megatron-LM's train() calls train_step(..., iteration=...); got no iteration")
         number = kwargs["iteration"] + 1
+        self._train_at = number - 1
         self._enter_step(number, kwargs["data_iterator"] if "data_iterator" in kwargs else args[1])
         if self._redo is not None:
             # A migration between iterations rolled the job back to the iteration train() completed last.
@@ -253,15 +263,24 @@ class MegatronLMLoop:
             state.rewind(redo)
             self._run_step(redo, original, args, kwargs)
         state.check_counters(number - 1)
-        return self._run_step(number, original, args, kwargs)
+        result = self._run_step(number, original, args, kwargs)
+        self._train_at = number
+        if self._hold_epilogue_of == number:
+            # The others ran this iteration's between-iterations code before the migration.
+            self._hold_epilogue_of = None
+            self._hold(f"the other ranks ran the code after iteration {number} before the migration")
+        return result
 
     def _run_step(self, number: int, original: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Execute iteration ``number`` through Megatron-LM's ``train_step`` until it completed (here or elsewhere)."""
         state, rt = self.state, self.runtime
         assert state is not None and rt is not None
         kwargs = {**kwargs, "iteration": number - 1}
+        # train() passes forward_backward_func positionally (7th) in core_r0.17.
+        args, kwargs = _with_forward_backward(args, kwargs, self._reducing_losses)
         while True:
             state.begin(number)
+            self._losses = None
             rt.step_begin(number)
             self._backward_starts = 0
             self._backwards_per_step = microbatches.get_num_microbatches() * len(state.model)
@@ -274,7 +293,9 @@ class MegatronLMLoop:
                 first = self._recover(f"iteration {number}: {type(exc).__name__}: {str(exc)[:300]}")
                 if first == number + 1:
                     state.completed_elsewhere(number, phase)
-                    result = _completed_elsewhere_result()
+                    result = _completed_elsewhere_result(self._losses)
+                    # The job resumes at the next iteration: what train() runs before it is this rank's alone.
+                    self._hold(f"iteration {number} completed on the replica this rank's state came from")
                     break
                 if first == number - 1:
                     # The lost rank's copy of the iteration before did not survive (buddy copies):
@@ -300,6 +321,24 @@ class MegatronLMLoop:
         state.step_finished()
         return result
 
+    def _reducing_losses(self, forward_backward_func: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward_backward_func``, followed by Megatron-LM's loss reduction (before the commit, kept).
+
+        Megatron-LM's ``train_step`` reduces the losses over the data-parallel ranks after
+        its optimizer step; an iteration whose commit completed on the replica this rank
+        takes its state from would otherwise have no loss anywhere (every member's
+        reduction was cut short). One more small all-reduce per iteration, on the last
+        pipeline stage, with Megatron-LM's arithmetic: the values are the ones it logs.
+        """
+
+        def forward_backward(*args: Any, **kwargs: Any) -> Any:
+            outputs = forward_backward_func(*args, **kwargs)
+            if ps.is_pipeline_last_stage(ignore_virtual=True) and not kwargs.get("forward_only", False):
+                self._losses = reduce_losses(outputs)
+            return outputs
+
+        return forward_backward
+
     def _enter_step(self, number: int, data_iterator: Any) -> None:
         state, rt = self.state, self.runtime
         assert state is not None and rt is not None
@@ -317,6 +356,13 @@ class MegatronLMLoop:
             state.progress_from_args()
         first = rt.attach(state, None, number, [])
         self._attached = True
+        if rt.role == "spare":
+            try:
+                self._agree_on_epilogue(first)
+            except Exception as exc:  # re-raised unless a migration interrupted the agreement
+                if not rt.is_comm_failure(exc):
+                    raise
+                first = self._recover(f"agreeing after joining: {type(exc).__name__}: {str(exc)[:300]}")
         if first != number:
             raise RuntimeError(
                 f"torchpass: this process joined the job at step {first}, but Megatron-LM's train() was set up for "
@@ -380,7 +426,7 @@ class MegatronLMLoop:
                 if not rt.is_comm_failure(exc):
                     raise
                 self._resume_between(self._recover(f"between iterations ({name}): {type(exc).__name__}: {str(exc)[:300]}"))
-                self._hold(name)
+                self._hold(f"{name} was cut short by a migration")
                 return returns(args)
 
         return guarded
@@ -406,13 +452,13 @@ class MegatronLMLoop:
                 f"iteration {completed}; only that one can run again"
             )
 
-    def _hold(self, name: str) -> None:
+    def _hold(self, reason: str) -> None:
         assert self.runtime is not None
         comms.hold(True)
         self._held = True
         print(
-            f"[torchpass] rank {self.runtime.rank}: {name} was cut short by a migration; until the next iteration "
-            "this rank's collectives are answered locally",
+            f"[torchpass] rank {self.runtime.rank}: {reason}; until the next iteration this rank's collectives are "
+            "answered locally",
             file=sys.stderr,
             flush=True,
         )
@@ -423,18 +469,52 @@ class MegatronLMLoop:
             self._held = False
 
     def _recover(self, cause: str) -> int:
-        assert self.runtime is not None
-        return self.runtime.recover(cause)
+        """The survivor side of a migration, then the members' agreement on the resume step's epilogue."""
+        rt = self.runtime
+        assert rt is not None
+        while True:
+            first = rt.recover(cause)
+            try:
+                self._agree_on_epilogue(first)
+                return first
+            except Exception as exc:  # re-raised unless a migration interrupted the agreement
+                if not rt.is_comm_failure(exc):
+                    raise
+                cause = f"agreeing after the migration: {type(exc).__name__}: {str(exc)[:300]}"
+
+    def _agree_on_epilogue(self, first: int) -> None:
+        """Whether the code train() runs after iteration ``first`` already ran on some member (one all-reduce).
+
+        A member whose train() completed iteration ``first`` before the migration (the
+        job was rolled back to it) runs it again unseen by train(), so never runs that
+        code again; every other member then runs it with its collectives held locally.
+        The first collective of every member after a migration, issued exactly once.
+        """
+        ran = torch.tensor([1.0 if self._train_at >= first else 0.0])
+        dist.all_reduce(ran, op=dist.ReduceOp.MAX)
+        self._hold_epilogue_of = first if ran.item() > 0 and self._train_at < first else None
 
 
-def _completed_elsewhere_result() -> tuple[Any, ...]:
+def _completed_elsewhere_result(losses: dict[str, torch.Tensor] | None) -> tuple[Any, ...]:
     """What Megatron-LM's ``train_step`` returns for an iteration this rank took from a replica.
 
     ``(loss_dict, skipped_iter, should_checkpoint, should_exit, exit_code, grad_norm,
-    num_zeros_in_grad, max_attention_logit)``: the losses and norms are not known on
-    this rank (they are logged by the ranks that computed them), the update was made.
+    num_zeros_in_grad, max_attention_logit)``: the losses reduced before the commit
+    (none off the last stage, or if the forward-backward did not finish here); the
+    gradient norm is not known on this rank; the update was made.
     """
-    return {}, 0, False, False, 0, None, None, 0
+    return losses or {}, 0, False, False, 0, None, None, 0
+
+
+def _with_forward_backward(
+    args: tuple[Any, ...], kwargs: dict[str, Any], wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``train_step``'s arguments with its ``forward_backward_func`` (7th, or by keyword) wrapped."""
+    if "forward_backward_func" in kwargs:
+        return args, {**kwargs, "forward_backward_func": wrap(kwargs["forward_backward_func"])}
+    if len(args) < 7:
+        raise TypeError("torchpass: Megatron-LM's train_step was called without a forward_backward_func")
+    return (*args[:6], wrap(args[6]), *args[7:]), kwargs
 
 
 def refuse_unsupported(args: Any) -> None:

@@ -77,6 +77,7 @@ from torchpass.core.loop import Step, steps
 from .data import ReplayingIterator
 from .flags import warn_without_launcher
 from .layout import DEFAULT_ORDER
+from .losses import reduce_losses
 from .optimizers import check_supported, torch_optimizers
 from .state import MegatronState, Progress
 
@@ -218,7 +219,7 @@ class MegatronRun:
             decoder_seq_length=self.decoder_seq_length,
             forward_only=False,
         )
-        losses = _average_losses(outputs) if ps.is_pipeline_last_stage(ignore_virtual=True) else {}
+        losses = {k: v.item() for k, v in reduce_losses(outputs).items()} if ps.is_pipeline_last_stage(ignore_virtual=True) else {}
         if record_losses is not None:
             record_losses(number, losses)
         if self._runtime is not None:
@@ -249,25 +250,6 @@ class MegatronRun:
         self.state.commit_started()
         if self._runtime is not None:
             self._runtime.commit_started()
-
-
-def _average_losses(outputs: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, float]:
-    """Megatron-LM's reduction: ``[sum, count]`` pairs summed and all-reduced over data-parallel ranks, else a mean."""
-    losses: dict[str, float] = {}
-    for key in outputs[0] if outputs else ():
-        values = [o[key].view(-1) for o in outputs]
-        if values[0].numel() == 2:
-            total = torch.vstack(values).sum(dim=0)
-            dist.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
-            losses[key] = (total[0] / total[1]).item()
-        elif values[0].numel() == 1:
-            losses[key] = torch.cat(values).mean().item()
-        else:
-            raise ValueError(
-                f"loss {key!r}: expected one value or a [sum, count] pair per micro-batch, "
-                f"got shape {tuple(values[0].shape)}"
-            )
-    return losses
 
 
 def _couple_model_replica() -> None:

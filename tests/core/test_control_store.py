@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import socket
 from datetime import timedelta
 
@@ -35,6 +36,10 @@ class _Counting:
         return self.store.get(key)
 
 
+def _no_bad_records(key: str, why: str) -> None:
+    raise AssertionError(f"unexpected bad record {key}: {why}")
+
+
 def test_batched_reads_span_several_requests() -> None:
     store = _store()
     n = 2 * STORE_BATCH + 3
@@ -58,7 +63,7 @@ def test_mirrors_are_read_only_for_the_ranks_asked_about() -> None:
     for version in (4, 5):
         put_object(store, Keys.mirror(7, version % 3), {"version": version, "rng": rng, "data": None})
     counting = _Counting(store)
-    mirrors = _StoreMirrors(counting, world_size=1024)  # type: ignore[arg-type]
+    mirrors = _StoreMirrors(counting, world_size=1024, on_bad_record=_no_bad_records)  # type: ignore[arg-type]
     assert counting.ops == 0
     assert mirrors[7].versions == {4: rng_digest(rng), 5: rng_digest(rng)}
     assert mirrors.get(3) is None
@@ -66,3 +71,19 @@ def test_mirrors_are_read_only_for_the_ranks_asked_about() -> None:
     ops = counting.ops
     assert mirrors[7].versions.keys() == {4, 5}  # cached: no further reads
     assert counting.ops == ops <= 12
+
+
+class _NotAllowed(enum.Enum):
+    """A type safe_pickle refuses to load (a framework's enum in a provider's small state, say)."""
+
+    VALUE = "value"
+
+
+def test_an_unloadable_mirror_is_a_missing_one_and_is_reported() -> None:
+    """The controller's planner must not die on a mirror record it may not load: that rank has no mirror."""
+    store = _store()
+    put_object(store, Keys.mirror(2, 0), {"version": 4, "rng": capture_rng(), "data": None, "extra": _NotAllowed.VALUE})
+    bad: list[tuple[str, str]] = []
+    mirrors = _StoreMirrors(store, world_size=4, on_bad_record=lambda key, why: bad.append((key, why)))
+    assert mirrors.get(2) is None and 2 not in list(mirrors)
+    assert len(bad) == 1 and bad[0][0] == "the small-state mirror of rank 2" and "_NotAllowed" in bad[0][1], bad

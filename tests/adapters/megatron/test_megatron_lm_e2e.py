@@ -28,30 +28,11 @@ from typing import Any
 import pytest
 
 from tests.support.harness import JobRun, RunOnce, assert_migrated, fault_rng, free_port, launch
+from tests.support.megatron.megatron_lm_args import ITERATIONS, LAYOUTS, MEGATRON_LM_ARGS
 
 pytestmark = pytest.mark.e2e
 
 SCRIPT = Path(__file__).resolve().parents[3] / "tests" / "support" / "megatron" / "pretrain_gpt_lm.py"
-ITERATIONS = 10
-MEGATRON_LM_ARGS = [
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "8",
-    "--train-iters", str(ITERATIONS), "--lr", "1e-3", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
-    "--lr-warmup-iters", "2", "--weight-decay", "0.01", "--clip-grad", "0.0", "--hidden-dropout", "0.1",
-    "--attention-dropout", "0.1", "--seed", "1234", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--vocab-size", "128", "--split", "1,0,0", "--eval-iters", "0", "--eval-interval", "1000", "--log-interval", "1",
-    "--distributed-backend", "gloo", "--use-cpu-initialization", "--transformer-impl", "local",
-    "--position-embedding-type", "learned_absolute", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
-    "--test-workdir", ".",
-]  # fmt: skip
-"""Megatron-LM flags as its GPT examples write them, sized for CPU (no gradient clipping: it asserts CUDA tensors)."""
-
-LAYOUTS = {
-    "tp2dp2": ["--tensor-model-parallel-size", "2"],
-    "dp4-distopt": ["--use-distributed-optimizer"],
-    "dp2x2-distopt-instances": ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
-}
 
 
 def _logged_losses(workdir: Path) -> dict[int, float]:
@@ -142,3 +123,18 @@ def test_distributed_optimizer_shard_from_the_other_instance(
     source_at = dict(part.split("=") for part in source["at"].split())
     assert source["copy"] == "live" and source_at["dp_in_instance"] == at["dp_in_instance"], source
     assert source_at["dp_instance"] != at["dp_instance"] and last["steps_lost"] == 0
+
+
+@pytest.mark.parametrize("layout,steps_lost", [("dp4-distopt", 1), ("dp2x2-distopt-instances", 0)])
+def test_rank_lost_right_after_its_optimizer_step(
+    layout: str, steps_lost: int, tmp_path: Path, references: RunOnce[str, dict[str, Any]], megatron_lm_env: dict[str, str]
+) -> None:
+    """The chaos flags kill rank 1 right after its optimizer step of iteration 4. With buddy copies its copy
+    of iteration 4 never left: every rank goes back to iteration 3 and runs 4 again (one step lost); the
+    other instance holds iteration 4 of the same shard (none lost). Bitwise either way."""
+    chaos = ["--torchpass-chaos-kill-rank", "1", "--torchpass-chaos-kill-step", "4", "--torchpass-chaos-kill-point", "after_commit"]
+    run = launch(tmp_path, SCRIPT, [*MEGATRON_LM_ARGS, *LAYOUTS[layout], "--test-step-sleep", "0.2", "--torchpass", *chaos], env=megatron_lm_env)
+    pids = run.wait_active_pids(4)
+    last = assert_migrated(run, references[layout]["ranks"], pids, {1}, "kill", max_steps_lost=1)
+    assert _logged_losses(run.workdir) == references[layout]["losses"]
+    assert last["steps_lost"] == steps_lost, last

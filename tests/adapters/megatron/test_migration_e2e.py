@@ -2,7 +2,8 @@
 
 Every case runs ``torchpass launch`` with 4 active ranks and a hot spare on
 CPU/gloo (megatron-core through the test-only CPU shim), trains the job of
-:mod:`tests.support.megatron.gpt_job` in a TP 2 x DP 2 or PP 2 x DP 2 layout,
+:mod:`tests.support.megatron.gpt_job` in a TP 2 x DP 2, PP 2 x DP 2 or DP 4
+(distributed optimizer) layout,
 injects a real fault at a randomly chosen rank and step (seed printed), and
 checks: every step's loss and every rank's final model, optimizer, scheduler,
 counters and RNG tracker equal the fault-free run's bit for bit; survivors
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.harness import JobRun, assert_bitwise, fault_rng, launch
+from tests.support.harness import JobRun, assert_bitwise, assert_migrated, fault_rng, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -46,6 +47,11 @@ def _reference(tmp_path_factory: pytest.TempPathFactory, layout: str) -> dict[in
 @pytest.fixture(scope="module")
 def reference_tp2dp2(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
     return _reference(tmp_path_factory, "tp2dp2")
+
+
+@pytest.fixture(scope="module")
+def reference_dp4distopt(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    return _reference(tmp_path_factory, "dp4distopt")
 
 
 @pytest.fixture(scope="module")
@@ -140,3 +146,17 @@ def test_misspelled_flag_fails_before_training(tmp_path: Path) -> None:
     output = run.output()
     assert "unknown flag --torchpass-buddy-intervl-steps: did you mean --torchpass-buddy-interval-steps?" in output
     assert not list((tmp_path / "progress").glob("rank*")), "training started despite the bad flag"
+
+
+def test_distributed_optimizer_in_a_megatron_core_loop(tmp_path: Path, reference_dp4distopt: dict[int, dict[str, Any]]) -> None:
+    """MegatronRun with Megatron's distributed optimizer (DP 4): the lost rank's shard comes from its buddy copy."""
+    rng = fault_rng("megatron-dp4distopt-sigkill")
+    rank, step = rng.randrange(4), rng.randint(3, STEPS - 3)
+    run = _start(tmp_path, "dp4distopt")
+    run.wait_step(rank, step, timeout=300)
+    pids = run.active_pids()
+    run.inject("kill", rank=rank)
+    # A rank lost between its optimizer step and its buddy copy of it costs one step.
+    last = assert_migrated(run, reference_dp4distopt, pids, {rank}, "kill", max_steps_lost=1)
+    (source,) = last["sources"][str(rank)]["from"]["optimizer"]
+    assert source["copy"].startswith("held:") and source["rank"] != rank, source

@@ -7,7 +7,10 @@ A tiny real ``GPTModel`` (2 layers, hidden 64, dropout 0.1) trained through
   over the data-parallel group, torch ``AdamW``;
 * ``pp2dp2``: pipeline parallel 2 (1F1B) x data parallel 2, tied embeddings,
   megatron-core's ``DistributedDataParallel``, Megatron optimizer (Adam) and
-  ``finalize_model_grads``.
+  ``finalize_model_grads``;
+* ``dp4distopt``: data parallel 4, megatron-core's ``DistributedDataParallel`` and
+  Megatron's distributed optimizer (Adam; each rank holds a quarter of the main
+  params and moments).
 
 Both use the model-parallel RNG tracker (dropout), an ``OptimizerParamScheduler``
 with warm-up and cosine decay, the number-of-microbatches calculator (2
@@ -40,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.megatron import cpu_shim
+from tests.support.megatron.final_state import digest, optimizer_state
 
 cpu_shim.install()
 
@@ -62,13 +66,13 @@ from torchpass.adapters.megatron import MegatronRun, add_torchpass_args, config_
 from torchpass.adapters.megatron import run as megatron_run  # noqa: E402
 from torchpass.core import runtime  # noqa: E402
 from torchpass.core.comms import RebuildableProcessGroup  # noqa: E402
-from torchpass.core.manifest import state_digest  # noqa: E402
 
 SEQ, VOCAB, HIDDEN, MICRO_BATCH, MICRO_BATCHES, SEED = 16, 128, 64, 2, 2, 1234
-LAYOUTS = {"tp2dp2": (2, 1), "pp2dp2": (1, 2)}
+LAYOUTS = {"tp2dp2": (2, 1, False), "pp2dp2": (1, 2, False), "dp4distopt": (1, 1, True)}
+"""Layout name -> (tensor parallel, pipeline parallel, distributed optimizer)."""
 
 
-def build_model(tp: int, pp: int) -> tuple[torch.nn.Module, Any, TransformerConfig]:
+def build_model(tp: int, pp: int, distributed_optimizer: bool = False) -> tuple[torch.nn.Module, Any, TransformerConfig]:
     config = TransformerConfig(
         num_layers=2,
         hidden_size=HIDDEN,
@@ -100,19 +104,22 @@ def build_model(tp: int, pp: int) -> tuple[torch.nn.Module, Any, TransformerConf
         share_embeddings_and_output_weights=pp > 1,
         position_embedding_type="learned_absolute",
     )
-    if pp == 1:
+    if pp == 1 and not distributed_optimizer:
         model: torch.nn.Module = DistributedDataParallel(gpt, process_group=ps.get_data_parallel_group())
         config.no_sync_func = model.no_sync
         optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     else:
         model = MegatronDDP(
             config=config,
-            ddp_config=DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
+            ddp_config=DistributedDataParallelConfig(
+                overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
+            ),
             module=gpt,
         )
         optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=1e-3, min_lr=1e-5, weight_decay=0.01, bf16=False, fp16=False, clip_grad=0.0
+                optimizer="adam", lr=1e-3, min_lr=1e-5, weight_decay=0.01, bf16=False, fp16=False, clip_grad=0.0,
+                use_distributed_optimizer=distributed_optimizer,
             ), [model]
         )
         config.no_sync_func = model.no_sync
@@ -199,7 +206,7 @@ def main() -> None:
     for sub in ("progress", "out", "losses"):
         (work / sub).mkdir(parents=True, exist_ok=True)
 
-    tp, pp = LAYOUTS[args.layout]
+    tp, pp, distributed_optimizer = LAYOUTS[args.layout]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
@@ -210,7 +217,7 @@ def main() -> None:
     dp = ps.get_data_parallel_world_size()
     init_num_microbatches_calculator(rank, None, MICRO_BATCH * MICRO_BATCHES * dp, MICRO_BATCH, dp)
 
-    model, optimizer, _ = build_model(tp, pp)
+    model, optimizer, _ = build_model(tp, pp, distributed_optimizer)
     scheduler = OptimizerParamScheduler(
         optimizer,
         init_lr=1e-4,
@@ -268,14 +275,12 @@ def main() -> None:
 
     final = {
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer_state(optimizer),
         "scheduler": scheduler.state_dict(),
         "progress": {"iteration": run.iteration, "consumed": run.consumed_train_samples},
         "rng_tracker": get_cuda_rng_tracker().get_states(),
     }
-    # One digest per component: a digest over all of them at once would also hash which small
-    # objects (learning rates, say) two components share, which differs after a state transfer.
-    components = {name: state_digest({name: value}) for name, value in final.items()}
+    components = {name: digest(value) for name, value in final.items()}
     out = {
         "digest": hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest(),
         "components": components,

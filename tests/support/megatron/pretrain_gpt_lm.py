@@ -17,7 +17,7 @@ What is added for the tests, and only observes:
   Megatron-LM's ``training_log`` receives per iteration, at full precision;
   ``out/rank<r>.json``: a SHA-256 per component of the final model, optimizer
   (with a distributed optimizer's shard of main params and moments), scheduler,
-  counters and RNG tracker, and the PID). The final state is read
+  counters and RNG tracker, and the PID; :mod:`.final_state`). The final state is read
   from what ``setup_model_and_optimizer`` and ``train`` returned, recorded by
   wrapping them.
 * ``--test-step-sleep``: seconds of sleep in each forward step (faults land mid-step).
@@ -39,6 +39,7 @@ import megatron.core  # noqa: E402,F401  (the shim patches megatron-core modules
 import torch  # noqa: E402
 
 from tests.support.megatron import cpu_shim  # noqa: E402
+from tests.support.megatron.final_state import digest, optimizer_state  # noqa: E402
 
 cpu_shim.install()
 
@@ -48,7 +49,6 @@ from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset 
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer  # noqa: E402
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker  # noqa: E402
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
@@ -213,7 +213,7 @@ class _TestRecorder:
         model, optimizer, scheduler = self.built
         final = {
             "model": {f"chunk{i}": chunk.state_dict() for i, chunk in enumerate(model)},
-            "optimizer": _optimizer_state(optimizer),
+            "optimizer": optimizer_state(optimizer),
             "scheduler": scheduler.state_dict(),
             "progress": {
                 "iteration": self.trained_to,
@@ -221,51 +221,13 @@ class _TestRecorder:
             },
             "rng_tracker": get_cuda_rng_tracker().get_states(),
         }
-        components = {name: _digest(value) for name, value in final.items()}
+        components = {name: digest(value) for name, value in final.items()}
         out = {
             "digest": hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest(),
             "components": components,
             "pid": os.getpid(),
         }
         (self._folder("out") / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(out))
-
-
-def _optimizer_state(optimizer: Any) -> list[dict[str, Any]]:
-    """Each part's ``state_dict()``, and a distributed optimizer's shard (main params, moments) of this rank."""
-    parts = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [
-        {
-            "common": part.state_dict(),
-            "shard": part.get_parameter_state_dp_reshardable() if isinstance(part, DistributedOptimizer) else None,
-        }
-        for part in parts
-    ]
-
-
-def _digest(state: Any) -> str:
-    """SHA-256 over every leaf of ``state`` in order: its path, and a tensor's dtype, shape and bytes or a value's repr.
-
-    Leaves only: two states with equal values digest equal whichever objects they share
-    (a loaded optimizer's param groups hold copies where a fresh one shares its defaults).
-    """
-    h = hashlib.sha256()
-
-    def visit(value: Any, path: str) -> None:
-        if isinstance(value, dict):
-            for key, item in value.items():
-                visit(item, f"{path}/{key}")
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                visit(item, f"{path}/{i}")
-        elif isinstance(value, torch.Tensor):
-            t = value.detach().cpu().contiguous()
-            h.update(f"{path}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        else:
-            h.update(f"{path}|{value!r}|".encode())
-
-    visit(state, "")
-    return h.hexdigest()
 
 
 _TEST = _TestRecorder()
