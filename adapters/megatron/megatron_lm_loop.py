@@ -257,6 +257,7 @@ class MegatronLMLoop:
         number = kwargs["iteration"] + 1
         self._train_at = number - 1
         self._enter_step(number, kwargs["data_iterator"] if "data_iterator" in kwargs else args[1])
+        args, kwargs = _with_forward_backward(args, kwargs, self._reducing_losses)
         if self._redo is not None:
             # A migration between iterations rolled the job back to the iteration train() completed last.
             redo, self._redo = self._redo, None
@@ -276,8 +277,6 @@ class MegatronLMLoop:
         state, rt = self.state, self.runtime
         assert state is not None and rt is not None
         kwargs = {**kwargs, "iteration": number - 1}
-        # train() passes forward_backward_func positionally (7th) in core_r0.17.
-        args, kwargs = _with_forward_backward(args, kwargs, self._reducing_losses)
         while True:
             state.begin(number)
             self._losses = None
@@ -509,7 +508,7 @@ def _completed_elsewhere_result(losses: dict[str, torch.Tensor] | None) -> tuple
 def _with_forward_backward(
     args: tuple[Any, ...], kwargs: dict[str, Any], wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``train_step``'s arguments with its ``forward_backward_func`` (7th, or by keyword) wrapped."""
+    """``train_step``'s arguments with its ``forward_backward_func`` wrapped (train() passes it 7th, core_r0.17)."""
     if "forward_backward_func" in kwargs:
         return args, {**kwargs, "forward_backward_func": wrap(kwargs["forward_backward_func"])}
     if len(args) < 7:
