@@ -32,13 +32,13 @@ REPLICA_DIMS = {"dp", "cp"}
 """Ranks that differ only along these dimensions hold identical model and optimizer state."""
 
 
-def _start(workdir: Path, layout: str, **kwargs: Any) -> JobRun:
+def _start(workdir: Path, layout: str, env: dict[str, str] | None = None, **kwargs: Any) -> JobRun:
     args = ["--layout", layout, "--steps", str(STEPS), "--workdir", ".", "--step-sleep", "0.2", "--torchpass"]
-    return launch(workdir, JOB, args, env=ENV, **kwargs)
+    return launch(workdir, JOB, args, env={**ENV, **(env or {})}, **kwargs)
 
 
-def _reference(tmp_path_factory: pytest.TempPathFactory, layout: str) -> dict[int, dict[str, Any]]:
-    run = _start(tmp_path_factory.mktemp(f"reference-{layout}"), layout)
+def _reference(tmp_path_factory: pytest.TempPathFactory, layout: str, env: dict[str, str] | None = None) -> dict[int, dict[str, Any]]:
+    run = _start(tmp_path_factory.mktemp(f"reference-{layout}"), layout, env)
     assert run.wait(timeout=400) == 0, run.explain()
     assert not run.migrations()
     return run.results()
@@ -160,3 +160,15 @@ def test_distributed_optimizer_in_a_megatron_core_loop(tmp_path: Path, reference
     last = assert_migrated(run, reference_dp4distopt, pids, {rank}, "kill", max_steps_lost=1)
     (source,) = last["sources"][str(rank)]["from"]["optimizer"]
     assert source["copy"].startswith("held:") and source["rank"] != rank, source
+
+
+def test_megatron_core_0_17(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, megatron_lm_env: dict[str, str]) -> None:
+    """The same megatron-core loop on megatron-core 0.17.0 (the wheel that carries Megatron-LM's training code)."""
+    reference = _reference(tmp_path_factory, "tp2dp2", megatron_lm_env)
+    rng = fault_rng("megatron-core-0.17-sigkill")
+    rank, step = rng.randrange(4), rng.randint(3, STEPS - 3)
+    run = _start(tmp_path, "tp2dp2", megatron_lm_env)
+    run.wait_step(rank, step, timeout=300)
+    pids = run.active_pids()
+    run.inject("kill", rank=rank)
+    _check_success(run, reference, pids, rank, "kill")
