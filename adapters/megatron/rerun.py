@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Mapping
 
-from megatron.core.rerun_state_machine import RerunDiagnostic, RerunState, RerunStateMachine, get_rerun_state_machine
+from megatron.core.rerun_state_machine import RerunDiagnostic, RerunState, get_rerun_state_machine
 
 __all__ = ["completed", "load_persistent", "persistent", "restore", "snapshot"]
 
@@ -47,9 +47,9 @@ def restore(saved: Mapping[str, Any]) -> None:
         setattr(machine, name, copy.deepcopy(value))
 
 
-def completed(machine: RerunStateMachine | None = None) -> None:
+def completed() -> None:
     """Move a machine restored to an iteration's start past that iteration, as running it would have."""
-    machine = machine or get_rerun_state_machine()
+    machine = get_rerun_state_machine()
     machine.state = RerunState.NOT_RUNNING_YET
     machine.current_iteration += 1
     machine.first_iteration_complete = True

@@ -11,12 +11,13 @@ moments included (its ``state_dict()`` leaves those out).
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import torch
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-__all__ = ["digest", "optimizer_state"]
+__all__ = ["digest", "optimizer_state", "summary"]
 
 
 def digest(state: Any) -> str:
@@ -53,3 +54,9 @@ def optimizer_state(optimizer: Any) -> Any:
         }
         for part in parts
     ]
+
+
+def summary(final: dict[str, Any]) -> dict[str, Any]:
+    """``{"digest", "components"}``: one digest per component of ``final``, and one over those."""
+    components = {name: digest(value) for name, value in final.items()}
+    return {"digest": hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest(), "components": components}

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import hashlib
 import json
 import os
 import signal
@@ -43,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.megatron import cpu_shim
-from tests.support.megatron.final_state import digest, optimizer_state
+from tests.support.megatron.final_state import optimizer_state, summary
 
 cpu_shim.install()
 
@@ -280,10 +279,8 @@ def main() -> None:
         "progress": {"iteration": run.iteration, "consumed": run.consumed_train_samples},
         "rng_tracker": get_cuda_rng_tracker().get_states(),
     }
-    components = {name: digest(value) for name, value in final.items()}
     out = {
-        "digest": hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest(),
-        "components": components,
+        **summary(final),
         "pid": os.getpid(),
         "step_times": step_times,
         "hook_seconds": hooks.seconds,

@@ -28,7 +28,6 @@ import time
 
 _PROGRAM_START_TIME = time.time()
 
-import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 from functools import partial  # noqa: E402
@@ -39,7 +38,7 @@ import megatron.core  # noqa: E402,F401  (the shim patches megatron-core modules
 import torch  # noqa: E402
 
 from tests.support.megatron import cpu_shim  # noqa: E402
-from tests.support.megatron.final_state import digest, optimizer_state  # noqa: E402
+from tests.support.megatron.final_state import optimizer_state, summary  # noqa: E402
 
 cpu_shim.install()
 
@@ -221,10 +220,8 @@ class _TestRecorder:
             },
             "rng_tracker": get_cuda_rng_tracker().get_states(),
         }
-        components = {name: digest(value) for name, value in final.items()}
         out = {
-            "digest": hashlib.sha256(json.dumps(components, sort_keys=True).encode()).hexdigest(),
-            "components": components,
+            **summary(final),
             "pid": os.getpid(),
         }
         (self._folder("out") / f"rank{torch.distributed.get_rank()}.json").write_text(json.dumps(out))
