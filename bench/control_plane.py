@@ -18,11 +18,24 @@ Measured per size, for one SIGKILLed rank replaced by a spare:
   members wait for (``end``, the plan, ``go``);
 * the store operations the controller issued in those phases;
 * the size of the plan every member reads, and the store operations one
-  surviving worker issues (constant by design).
+  surviving worker issues for the protocol (constant by design);
+* what a member does after ``go`` before its first step, each part run for real
+  against the same store through the same layers a worker uses (sealed values,
+  prefixes, the rendezvous store that gives up with its generation), by sample ranks:
+  the rendezvous of the rebuilt group (``comms.rebuild_all``: gloo writes the rank's
+  address record and reads every peer's, in order, exactly as
+  ``ProcessGroupGloo`` does, record sizes included; measured over the first
+  ``RENDEZVOUS_SAMPLE`` peers and scaled to the group, the loop being the same for
+  every peer), and the buddy routing (``BuddyRouting.target``: the plan and the
+  target's address record); their store operations per rank and their time.
 
-The simulated workers' own writes are excluded: in a real job N processes make
-them in parallel. The gloo rendezvous of the rebuilt groups is not included
-either: it is the transport's own (full-mesh for gloo).
+The critical path adds the controller's time until it writes ``end``, the
+plan and ``go`` to one member's rendezvous and routing after ``go``. The
+simulated workers' own writes are excluded: in a real job N processes make
+them in parallel (the store serves them one at a time, though: the table also
+gives the requests of all members after ``go``). The simulated job is data
+parallel, so the world group is the one group rebuilt; a job with more groups
+rebuilds each, its ranks paying each group's rendezvous in turn.
 """
 
 from __future__ import annotations
@@ -30,7 +43,9 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import socket
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -40,10 +55,13 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from torchpass.core import safe_pickle
+from torchpass.core.buddy_routing import BuddyRouting
 from torchpass.core.config import TorchPassConfig
 from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Ready, Report, Status, signed
 from torchpass.core.controller import Controller, JobSpec
+from torchpass.core.rendezvous_store import InterruptibleStore
 from torchpass.core.rng import capture_rng
+from torchpass.core.signed_store import SignedStore
 from torchpass.core.topology import ddp_layout, layout_to_dict
 
 PER_NODE = 8
@@ -52,6 +70,12 @@ VERSION = 5
 """Optimizer steps every survivor's state reflects when the fault hits."""
 WORKER_OPS = {"status": 2, "plan": 2, "ready": 2, "go": 2, "done": 2}
 """Store operations one surviving worker issues per migration (``Runtime.recover``): write + count, wait + read, ..."""
+ROUTING_SAMPLE = 8
+"""Members whose buddy routing is run for real (the replaced rank and others spread over the job)."""
+RENDEZVOUS_SAMPLE = 512
+"""Peers whose address records one member reads for real in the rendezvous (the rest of the loop is the same)."""
+WORLD_GROUP = "0"
+"""The default group's name, as c10d names it: the group the data-parallel job rebuilds."""
 BATCH_BYTES = 64 << 10
 """Bytes per ``multi_set`` when the simulated workers write their records (the store parses a request as a
 whole: megabyte-sized batches slow it down far more than many small ones)."""
@@ -120,15 +144,17 @@ class SimulatedJob:
         self.size = size
         self.nodes = max(1, size // PER_NODE)
         self.wid = {r: f"n{r // PER_NODE}-a{r % PER_NODE}" for r in range(size)}
+        self.spares = {f"n{n}-s0": n for n in range(self.nodes)}
+        """Spare -> its node."""
         self.mail = Mailbox(store, Keys.events)
 
     def start(self, config: TorchPassConfig) -> None:
         """Registration, spares, heartbeats, mirrors at versions VERSION-2..VERSION, attachment."""
         for r in range(self.size):
             self.mail.post(Report("spawned", self.wid[r], r // PER_NODE, r, detail={"pid": 1000 + r, "role": "active"}))
-        for n in range(self.nodes):
-            self.mail.post(Report("spawned", f"n{n}-s0", n, None, detail={"pid": 900000 + n, "role": "spare"}))
-            self.mail.post(Report("spare_ready", f"n{n}-s0", n))
+        for wid, n in self.spares.items():
+            self.mail.post(Report("spawned", wid, n, None, detail={"pid": 900000 + n, "role": "spare"}))
+            self.mail.post(Report("spare_ready", wid, n))
         now = time.time()
         _multi_set(self.store, {Keys.heartbeat(w): _json(Heartbeat(now, VERSION, 0, "train")) for w in self.wid.values()})
         _multi_set(self.store, {Keys.node_beat(n): b"1" for n in range(self.nodes)})
@@ -161,10 +187,89 @@ class SimulatedJob:
         _multi_set(self.store, statuses)
         self.store.add(Keys.count(generation, "status"), len(statuses))
 
+    def publish_addresses(self, generation: int, joins: dict[str, str]) -> None:
+        """Every member's ``rankinfo`` record for ``generation`` (``BuddyRouting.publish``), a joined spare's on its node."""
+        records = {}
+        for r in range(self.size):
+            wid = joins.get(str(r), self.wid[r])
+            node = self.spares[wid] if wid in self.spares else r // PER_NODE
+            info = {"node": node, "addr": ["127.0.0.1", 20000 + r], "wid": wid, "generation": generation}
+            records[Keys.rankinfo(r)] = json.dumps(info).encode()
+        _multi_set(self.store, records)
+
     def report(self, generation: int, what: str, payload: Callable[[int], bytes]) -> None:
         keys = {"ready": Keys.ready, "done": Keys.done}[what]
         _multi_set(self.store, {keys(generation, r): payload(r) for r in range(self.size)})
         self.store.add(Keys.count(generation, what), self.size)
+
+
+class _Holdings:
+    """Stands in for a member's buddy keeper: the bench keeps no copies, so there is nothing to forget."""
+
+    def forget_holdings_except(self, sources: set[int]) -> None:
+        del sources
+
+
+def gloo_record_bytes(size: int) -> int:
+    """Bytes of the address record a rank of a ``size``-rank gloo group writes (gloo's tcp ``Rank``): the host name
+    and the device's socket address (``sockaddr_storage`` and a sequence number), each after its length, then one
+    8-byte pair identifier per rank of the group."""
+    return 8 + len(socket.gethostname()) + 8 + 136 + 8 * size
+
+
+def rendezvous_store(store: SignedStore, generation: int) -> dist.Store:
+    """The store a member's gloo rendezvous of the world group goes through (``comms.rebuild_all``'s)."""
+    prefix = dist.PrefixStore(f"torchpass/pg/{generation}/{WORLD_GROUP}/", store)
+    return InterruptibleStore(prefix, lambda: False, f"the bench's rendezvous of generation {generation}", timedelta(seconds=120))
+
+
+def rendezvous_key(rank: int) -> str:
+    """The key of ``rank``'s address record, under gloo's own prefix for its first device."""
+    return f"0/{rank}"
+
+
+def measure_rendezvous(
+    member: SignedStore, counting: CountingStore, writer: SignedStore, size: int, generation: int, rank: int
+) -> tuple[int, float]:
+    """One member's rendezvous of the world group rebuilt for ``generation``: (store operations, seconds).
+
+    As ``ProcessGroupGloo`` does it: write the rank's record, then wait for and read
+    every rank's record in rank order (its own included). The first
+    ``RENDEZVOUS_SAMPLE`` records are read and the cost is scaled to the group.
+    """
+    record = bytes(gloo_record_bytes(size))
+    peers = min(size, RENDEZVOUS_SAMPLE)
+    others = rendezvous_store(writer, generation)
+    for r in range(peers):
+        if r != rank:
+            others.set(rendezvous_key(r), record)  # the other members' writes: not this member's cost
+    store = rendezvous_store(member, generation)
+    counting.ops = 0
+    t0 = time.perf_counter()
+    store.set(rendezvous_key(rank), record)
+    set_ops, t1 = counting.ops, time.perf_counter()
+    for r in range(peers):
+        store.wait([rendezvous_key(r)])
+        store.get(rendezvous_key(r))
+    scale = size / peers
+    return set_ops + round((counting.ops - set_ops) * scale), (t1 - t0) + (time.perf_counter() - t1) * scale
+
+
+def measure_routing(member: SignedStore, counting: CountingStore, size: int, generation: int, replaced: int) -> tuple[int, float]:
+    """The buddy routing of sample members in ``generation``: the most store operations and seconds of one of them.
+
+    Each sample is a process's first resolution (a spare's case: it reads the job record too).
+    """
+    sample = sorted({replaced} | {i * size // ROUTING_SAMPLE for i in range(ROUTING_SAMPLE)})
+    most_ops, most_s = 0, 0.0
+    for rank in sample:
+        routing = BuddyRouting(member, rank, size)
+        counting.ops = 0
+        t0 = time.perf_counter()
+        routing.target(generation, threading.Event(), _Holdings())  # type: ignore[arg-type]
+        most_s = max(most_s, time.perf_counter() - t0)
+        most_ops = max(most_ops, counting.ops)
+    return most_ops, most_s
 
 
 def _drive(
@@ -200,6 +305,9 @@ def measure(size: int, port: int) -> dict[str, Any]:
     server = signed(dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout), secret, timeout)
     workers = signed(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timeout), secret, timeout)
     counting = CountingStore(server)
+    # One member's own connection, counted beneath the seal: what reaches the store.
+    member_counting = CountingStore(dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=timeout))
+    member = signed(member_counting, secret, timeout)  # type: ignore[arg-type]
     job = SimulatedJob(workers, size)
     spec = JobSpec(size, job.nodes, min(size, PER_NODE), 1, "bench", ["bench"])
     # Simulated ranks do not heartbeat on their own: keep every liveness timeout out of the way.
@@ -216,39 +324,53 @@ def measure(size: int, port: int) -> dict[str, Any]:
         plan = _drive(controller, counting, lambda: workers.check([Keys.plan(1)]), publishes=Keys.plan(1))
         plan_bytes = len(workers.get(Keys.plan(1)))
         joins = json.loads(workers.get(Keys.plan(1)))["joins"]
+        job.publish_addresses(1, joins)
         job.report(1, "ready", lambda r: _json(Ready(joins.get(str(r), job.wid[r]), 1)))
         go = _drive(controller, counting, lambda: workers.check([Keys.go(1)]), publishes=Keys.go(1))
         if workers.get(Keys.go(1)) != b"go":
             raise RuntimeError(f"generation 1 was aborted: {workers.get(Keys.go(1)).decode()}")
+        # After go, each member: the rendezvous of the rebuilt group, then its buddy routing (Migration._go_live).
+        rendezvous_ops, rendezvous_s = measure_rendezvous(member, member_counting, workers, size, 1, failed)
+        routing_ops, routing_s = measure_routing(member, member_counting, size, 1, failed)
         job.report(1, "done", lambda r: json.dumps({"t_done": time.time(), "bytes": 1 << 20}).encode())
         close = _drive(controller, counting, lambda: controller.migration is None)
-    del workers, server
+    del workers, server, member
     phases = {"detect": detect, "plan": plan, "go": go, "close": close}
+    # What the members wait for: the controller's time until it writes ``end``, the plan and ``go``. The
+    # rest of those ticks (workers.json) and closing the ledger entry overlap their work.
+    controller_s = detect.published_s + plan.published_s + go.published_s
     return {
         "ranks": size,
         **{f"{name}_s": cost.busy_s for name, cost in phases.items()},
         **{f"{name}_ops": cost.store_ops for name, cost in phases.items()},
-        # What the members wait for: the controller's time until it writes ``end``, the plan and ``go``. The
-        # rest of those ticks (workers.json) and closing the ledger entry overlap their work.
-        "critical_s": detect.published_s + plan.published_s + go.published_s,
+        "controller_critical_s": controller_s,
+        "rendezvous_ops": rendezvous_ops,
+        "rendezvous_s": rendezvous_s,
+        "routing_ops": routing_ops,
+        "routing_s": routing_s,
+        # Then each member: the rendezvous of the rebuilt group and its buddy routing, before its first step.
+        "critical_s": controller_s + rendezvous_s + routing_s,
         "total_s": sum(cost.busy_s for cost in phases.values()),
         "total_ops": sum(cost.store_ops for cost in phases.values()),
         "plan_bytes": plan_bytes,
         "worker_store_ops": sum(WORKER_OPS.values()),
+        "after_go_requests": size * (rendezvous_ops + routing_ops),
     }
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The results as a Markdown table (critical path: what the members wait for, failure to ``go``)."""
+    """The results as a Markdown table (critical path: what the members wait for, failure to their first step)."""
     lines = [
-        "| ranks | failure -> migration (s) | statuses -> plan (s) | ready -> go (s) | critical path (s) "
-        "| go -> ledger (s) | controller store ops | plan bytes | store ops per worker |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | failure -> migration (s) | statuses -> plan (s) | ready -> go (s) | rendezvous ops per rank "
+        "| rendezvous (s) | routing ops per rank | routing (s) | critical path (s) | go -> ledger (s) "
+        "| controller store ops | plan bytes | protocol ops per worker | requests after go, all ranks |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['ranks']} | {r['detect_s']:.4f} | {r['plan_s']:.4f} | {r['go_s']:.4f} | **{r['critical_s']:.4f}** "
-            f"| {r['close_s']:.4f} | {r['total_ops']} | {r['plan_bytes']} | {r['worker_store_ops']} |"
+            f"| {r['ranks']} | {r['detect_s']:.4f} | {r['plan_s']:.4f} | {r['go_s']:.4f} | {r['rendezvous_ops']} "
+            f"| {r['rendezvous_s']:.4f} | {r['routing_ops']} | {r['routing_s']:.4f} | **{r['critical_s']:.4f}** "
+            f"| {r['close_s']:.4f} | {r['total_ops']} | {r['plan_bytes']} | {r['worker_store_ops']} | {r['after_go_requests']} |"
         )
     return "\n".join(lines)
 

@@ -9,21 +9,21 @@ and readers by key (``tp/`` prefix omitted):
 ==========================  ===================  =====================================
 key                         written by           read by
 ==========================  ===================  =====================================
-``job``                     controller           agents, workers (job shape, config)
+``job``                     controller           agents, workers (job shape, config; ranks per node)
 ``workers/<wid>``           worker, controller   controller, ``torchpass status``
 ``hb/<wid>``                worker heartbeat     agents (liveness), controller (progress)
 ``events/seq``, ``/<n>``    agents, workers      controller (a mailbox: add, then set)
 ``gen``                     controller           workers, status
 ``g/<g>/end``               controller, worker   workers' monitor threads (ends gen g)
 ``g/<g>/status/<rank>``     survivors            controller (version, clean, address)
-``g/<g>/plan``              controller           members of generation g
+``g/<g>/plan``              controller           members of generation g (and its placement)
 ``g/<g>/ready/<rank>``      members              controller (``Ready``, the writer's wid)
 ``g/<g>/go``                controller           members ("go" or "abort: ...")
 ``g/<g>/done/<rank>``       members              controller (timings after resuming)
 ``g/<g>/<what>_count``      members              controller (one read instead of one per member)
 ``assign/<wid>``            controller           a spare (its rank, or an order to exit)
 ``mirror/<rank>/<slot>``    each rank            planner (RNG/data position, one slot per version)
-``rankinfo/<rank>``         each rank            ranks pairing buddies (node, transfer address)
+``rankinfo/<rank>``         each rank            the rank that sends it buddy copies (address)
 ``node/<n>/mail/...``       controller           agent n (fence a worker)
 ``node/<n>/beat``           agent n              controller (node liveness, a counter)
 ``node/<n>/lost``           controller           agent n (declared lost: fence all, exit)
@@ -355,6 +355,9 @@ class Plan:
     """Worker ids that hand their rank over and exit (planned migrations)."""
     steps_lost: int = 0
     """Completed steps rolled back (the newest survivor version minus the target)."""
+    moved: dict[str, int] = field(default_factory=dict)
+    """Rank -> node, for every member of the generation not on the node that launched its rank: with the
+    launch placement (``Placement.contiguous``), the generation's placement, in O(moves) bytes."""
     t: float = field(default_factory=time.time)
 
     def rank_plan(self, rank: int) -> RankPlan:

@@ -66,7 +66,7 @@ from .ledger import DISQUALIFYING, QUALIFYING, JobEvent, Ledger, MigrationEvent
 from .signed_store import FORGED
 from .liveness import BeatWatch
 from .planner import Disqualified, MirrorInfo, PlanInput, SpareInfo, plan_migration
-from .topology import Layout, layout_from_dict
+from .topology import Layout, Placement, layout_from_dict
 
 __all__ = ["Controller", "JobSpec"]
 
@@ -605,6 +605,7 @@ class Controller:
             return
         m.plan = result
         m.members = {**self.members, **{int(r): w for r, w in result.joins.items()}}
+        result.moved = self._moved(m.members)
         for rank_s, new in result.joins.items():
             self.sticky[int(rank_s)] = new
             self.spares.pop(new, None)
@@ -617,6 +618,11 @@ class Controller:
         moves = ", ".join(f"rank {r} -> {result.joins[r]}" for r in sorted(result.joins, key=int)) or "no process replaced"
         fetching = sorted(int(r) for r in result.ranks if result.rank_plan(int(r)).fetch)
         self.say(f"plan for generation {m.generation}: resume at step {result.target_version + 1}; {moves}; ranks {fetching} fetch state")
+
+    def _moved(self, members: dict[int, str]) -> dict[str, int]:
+        """Rank -> node of each member not on its rank's launch node (``Plan.moved``: the members' buddy placement)."""
+        launch = Placement.contiguous(self.spec.world_size, self.spec.nproc_per_node).node_of
+        return {str(r): self.node_of[w] for r, w in sorted(members.items()) if self.node_of[w] != launch[r]}
 
     def _repeats_without_loss(self, m: _Migration, step: int) -> bool:
         """Stop the job when collectives keep failing at ``step`` with every process alive (True: stopped).

@@ -199,8 +199,10 @@ class Placement:
     node_of: Mapping[int, int]
 
     @classmethod
-    def contiguous(cls, world_size: int, nproc_per_node: int) -> "Placement":
-        return cls({r: r // nproc_per_node for r in range(world_size)})
+    def contiguous(cls, world_size: int, nproc_per_node: int, moved: Mapping[int, int] | None = None) -> "Placement":
+        """Rank r on node ``r // nproc_per_node``, as the launcher starts them, except the ``moved`` ranks (rank -> node)."""
+        moved = moved or {}
+        return cls({r: moved.get(r, r // nproc_per_node) for r in range(world_size)})
 
     def nodes(self) -> list[int]:
         return sorted(set(self.node_of.values()))
@@ -217,16 +219,17 @@ def assign_buddies(placement: Placement) -> dict[int, int]:
     loss never takes a rank and its buddy together. On a single node the buddy is
     the next rank: it covers process failures, not the node's loss.
     """
-    nodes = placement.nodes()
+    # Ranks grouped by node in one pass: every rank computes this map each generation, and
+    # asking the placement node by node would cost (ranks x nodes) at 16,384 ranks.
+    on: dict[int, list[int]] = {}
+    for r in sorted(placement.node_of):
+        on.setdefault(placement.node_of[r], []).append(r)
+    nodes = sorted(on)
     buddies: dict[int, int] = {}
-    if len(nodes) == 1:
-        ranks = placement.ranks_on(nodes[0])
-        for i, r in enumerate(ranks):
-            buddies[r] = ranks[(i + 1) % len(ranks)]
-        return buddies
     for ni, node in enumerate(nodes):
-        mine = placement.ranks_on(node)
-        nxt = placement.ranks_on(nodes[(ni + 1) % len(nodes)])
+        mine = on[node]
+        # One node: the ring runs over its own ranks (the next rank).
+        nxt = on[nodes[(ni + 1) % len(nodes)]] if len(nodes) > 1 else mine[1:] + mine[:1]
         for i, r in enumerate(mine):
             buddies[r] = nxt[i % len(nxt)]
     return buddies

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import socket
+import threading
+from datetime import timedelta
 
-from bench.control_plane import markdown, measure
+import torch.distributed as dist
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+from bench.control_plane import gloo_record_bytes, markdown, measure, rendezvous_key
 
 
 def _free_port() -> int:
@@ -17,7 +22,52 @@ def test_one_migration_at_64_ranks() -> None:
     row = measure(64, _free_port())
     assert row["ranks"] == 64
     assert row["plan_bytes"] > 0
-    assert 0 < row["critical_s"] <= row["detect_s"] + row["plan_s"] + row["go_s"]
+    assert 0 < row["controller_critical_s"] <= row["detect_s"] + row["plan_s"] + row["go_s"]
+    assert row["critical_s"] == row["controller_critical_s"] + row["rendezvous_s"] + row["routing_s"]
     # Reading whole generations goes through batched requests: a handful of operations per phase.
     assert row["total_ops"] < 100
+    # A member's buddy routing reads the job record, the plan and its target's record: no peer's but one.
+    assert row["routing_ops"] < 10
+    assert row["rendezvous_ops"] > 64, "gloo's full-mesh rendezvous reads every member's record"
     assert "| 64 |" in markdown([row])
+
+
+class _Recording(dist.Store):
+    """A store that logs what it is asked, in order: (operation, key, value bytes)."""
+
+    def __init__(self, base: dist.Store) -> None:
+        super().__init__()
+        self._base = base
+        self.log: list[tuple[str, str, int]] = []
+
+    def set(self, key: str, value: bytes) -> None:
+        self.log.append(("set", key, len(value)))
+        self._base.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        value = self._base.get(key)
+        self.log.append(("get", key, len(value)))
+        return value
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.log += [("wait", key, 0) for key in keys]
+        self._base.wait(keys, timeout or timedelta(seconds=30))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._base.check(keys)
+
+
+def test_the_simulated_rendezvous_is_the_one_gloo_does() -> None:
+    """What the bench replays for a member (write its record, then wait for and read every record in rank order,
+    at gloo's record size) is what ``ProcessGroupGloo`` asks of its store."""
+    size = 3
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    stores = [_Recording(dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))) for _ in range(size)]
+    threads = [threading.Thread(target=ProcessGroupGloo, args=(stores[r], r, size, timedelta(seconds=30))) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    record = gloo_record_bytes(size)
+    reads = [step for r in range(size) for step in (("wait", rendezvous_key(r), 0), ("get", rendezvous_key(r), record))]
+    assert stores[1].log == [("set", rendezvous_key(1), record), *reads]
