@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .critical_path import read_summaries
 from .ledger import DISQUALIFYING, QUALIFYING, read_ledger
 
 __all__ = ["RunReport", "build_report", "format_report"]
@@ -35,6 +36,8 @@ class RunReport:
     bytes_moved: int = 0
     incidents: list[dict[str, Any]] = field(default_factory=list)
     other_events: list[dict[str, Any]] = field(default_factory=list)
+    critical_path: list[dict[str, Any]] = field(default_factory=list)
+    """Each rank's per-step time inside torchpass on its training thread (``core/critical_path.py``), once it finished."""
 
     @property
     def success_rate(self) -> float | None:
@@ -49,6 +52,7 @@ def build_report(run_dir: str | Path) -> RunReport:
     if not (run_dir / "events.jsonl").exists():
         raise FileNotFoundError(f"{run_dir} has no events.jsonl; is it the --run-dir of a torchpass launch?")
     rep = RunReport(str(run_dir))
+    rep.critical_path = [asdict(s) for s in read_summaries(run_dir)]
     for ev in read_ledger(run_dir):
         kind = ev.get("type")
         if kind == "job_start":
@@ -117,6 +121,15 @@ def format_report(rep: RunReport) -> str:
             )
             for rank, why in inc["fenced"].items():
                 lines.append(f"        fenced rank {rank}: {why}")
+    if rep.critical_path:
+        lines.append("")
+        lines.append("  training thread inside torchpass, per step (us; mean over the rank's steps):")
+        for timers in rep.critical_path:
+            sections = " ".join(f"{k}={v:.0f}" for k, v in timers["per_step_us"].items())
+            lines.append(
+                f"    rank {timers['rank']}: {timers['total_us']:.0f} us of a {timers['step_s'] * 1e3:.1f} ms step "
+                f"({timers['fraction']:.2%}) over {timers['steps']} steps: {sections}"
+            )
     return "\n".join(lines)
 
 

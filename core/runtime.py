@@ -59,6 +59,7 @@ from .chaos import chaos_trigger
 from .config import TorchPassConfig, config_from_env
 from .control import Keys, Mailbox, Plan, Report, StoreAddress, WorkerRecord, get, put
 from .controller_answers import UNTIL_ANSWERED, ControllerAnswers
+from .critical_path import CriticalPathTimers
 from .data import ReplayableData
 from .failures import is_comm_error
 from .generation_monitor import GenerationMonitor
@@ -125,6 +126,8 @@ class Runtime:
         """Captures and loads this rank's state; set once attached."""
         self.migration = Migration(self)
         self._push_gate = False
+        self.timers = CriticalPathTimers()
+        """The training thread's time inside the per-step hooks (see ``core/critical_path.py``)."""
         self.server = StateServer(
             secret=self.secret,
             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host(),
@@ -263,7 +266,7 @@ class Runtime:
             self.step = start_step
             # Before the layout report: a rank lost before its first step start must
             # still have its version's RNG and data position on record.
-            self._mirror_small("start", self.version, self.copier.small_state(), durable=True)
+            self._mirror_small(self.version, self.copier.small_state(), durable=True)
             self._mirror.flush(self.config.report_timeout_s)
             components, classes = provider.state_components()
             captured = capture(components, classes, self.version)
@@ -338,6 +341,8 @@ class Runtime:
 
     # ---- per-step hooks -------------------------------------------------
     def step_begin(self, step: int) -> None:
+        started = self.timers.clock()
+        self.timers.step_started(self.generation, step, started)
         self.step = step
         self.in_step = True
         self.clean = True
@@ -348,11 +353,13 @@ class Runtime:
         # Kept to restore a survivor that re-executes this step (RNG, provider state).
         assert self.copier is not None
         self.step_small = self.copier.small_state(rng)
-        self._mirror_small("start", self.version, self.step_small)
+        self._mirror_small(self.version, self.step_small)
+        self.timers.add("step_begin", started)
         if self._chaos is not None:
             self._chaos.fire("step_start", self.step)
 
     def step_end(self, step: int) -> None:
+        started = self.timers.clock()
         if self.committing:
             # A step that stepped only some of its optimizers: the state moved all the same.
             self.committing = False
@@ -362,6 +369,7 @@ class Runtime:
             # At the step boundary, not at the optimizer step: the scheduler step and
             # anything else the step updates after the commit belong to this version.
             self.protect()
+        self.timers.add("step_end", started)
         if self.migration.done_pending:
             self.migration.report_done()
 
@@ -370,9 +378,11 @@ class Runtime:
         if self.in_step and not self.committing:
             if self._chaos is not None:
                 self._chaos.fire("commit", self.step)
+            started = self.timers.clock()
             if self.buddy is not None:
                 self.buddy.wait_copied()
             self.committing = True
+            self.timers.add("commit", started)
 
     def commit_finished(self) -> None:
         """The step's state update is complete: the rank now holds version ``step``."""
@@ -412,11 +422,14 @@ class Runtime:
             if self._chaos is not None:
                 self._chaos.fire("backward", self.step)
             assert self.copier is not None
-            self._mirror_small("backward", self.step, self.copier.small_state(), durable=True)
+            started = self.timers.clock()
+            self._mirror_small(self.step, self.copier.small_state(), durable=True)
             self._push_gate = self.buddy is not None
+            self.timers.add("backward", started)
 
     def _before_collective(self) -> None:
         assert self._mirror is not None
+        started = self.timers.clock()
         self._mirror.flush(self.config.report_timeout_s)
         if self._push_gate:
             assert self.buddy is not None
@@ -426,6 +439,7 @@ class Runtime:
                 self.buddy.wait_pushed()
             except GateReleased as exc:
                 raise CommFailure(f"rank {self.rank}: {exc}") from exc
+        self.timers.add("collective_gate", started)
 
     def discard_step_gate(self) -> None:
         """Drop the interrupted step's buddy gate: the recovery's own collectives pass none."""
@@ -455,9 +469,9 @@ class Runtime:
             raise TransferError("this rank keeps no buddy copies (redundancy is not 'buddy' here)")
         return self.buddy
 
-    def _mirror_small(self, kind: str, version: int, small: dict[str, Any], durable: bool = False) -> None:
+    def _mirror_small(self, version: int, small: dict[str, Any], durable: bool = False) -> None:
         assert self._mirror is not None
-        self._mirror.submit(version, {"kind": kind, **small}, durable=durable)
+        self._mirror.submit(version, small, durable=durable)
 
     # ---- failure classification -----------------------------------------
     def is_comm_failure(self, exc: BaseException) -> bool:
@@ -483,6 +497,8 @@ class Runtime:
             self.buddy.finishing = True
         if self.config.telemetry.final_digest and self.provider is not None and self.rank is not None:
             self._write_final_digest()
+        if self.rank is not None and self._attached:
+            self.timers.write(Path(os.environ["TORCHPASS_RUN_DIR"]), self.rank)
 
     def _write_final_digest(self) -> None:
         """``<run_dir>/final/rank<r>.json``: this rank's final state digest, version and PID (see TelemetryConfig)."""
