@@ -35,12 +35,20 @@ Hence after any failure every survivor holds its state at its live version and
 at its newest complete snapshot, and every lost rank's sharded state exists on
 its buddy at k or k-1: the planner finds a common version at most one interval
 back, and the ledger records the steps rolled back.
+
+Cost, per push: one copy of the live state (the snapshot; the pushed part is
+read from it, not copied again) and one CRC32C pass on each side. The sender
+checksums each pushed chunk once and reuses the CRC for a resend; the holder
+receives straight into its slot and verifies each received chunk once, and
+those CRCs stay with the held copy, so serving it in a migration reads it for
+nothing else. :meth:`BuddyKeeper.counters` reports these bytes.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,11 +56,58 @@ import torch
 from .manifest import Captured, capture, rebuild
 from .transfer import Address, TransferError, push_state
 
-__all__ = ["BuddyKeeper", "GateReleased"]
+__all__ = ["BuddyCounters", "BuddyKeeper", "GateReleased", "PushBytes"]
 
 
 class GateReleased(Exception):
     """A wait for the buddy copy was given up: the push failed, or the generation ended meanwhile."""
+
+
+@dataclass(frozen=True)
+class PushBytes:
+    """What buddy pushes cost one side, in bytes: one push, or the sum of several (``+``).
+
+    A sender's counts are its own state's: its snapshot copy and its push. A holder's
+    are those of the copies it received and installed for another rank.
+    """
+
+    pushed: int = 0
+    """Size of the buddy copy: the part of the state pushed (its sharded classes and small state)."""
+    copied: int = 0
+    """Bytes copied in memory. Sender: the live state into its snapshot, once (the whole state,
+    the pushed part included, which is sent from there). Holder: 0, received in place."""
+    checksummed: int = 0
+    """Bytes put through CRC32C. Sender: each pushed byte once (a resend reuses its CRC).
+    Holder: each received byte once (a chunk that failed its check and came again, again)."""
+    transferred: int = 0
+    """Bytes that crossed the socket for the copy, resends included (sent; on a holder, received)."""
+
+    def __add__(self, other: PushBytes) -> PushBytes:
+        return PushBytes(
+            self.pushed + other.pushed,
+            self.copied + other.copied,
+            self.checksummed + other.checksummed,
+            self.transferred + other.transferred,
+        )
+
+
+@dataclass(frozen=True)
+class BuddyCounters:
+    """One rank's buddy work in bytes, per push and in total, on both sides (:meth:`BuddyKeeper.counters`)."""
+
+    pushes: int
+    """Snapshots taken (each pushed when the rank had a buddy)."""
+    last_push: PushBytes
+    """The latest snapshot and push: its copy once taken, its push once delivered (a push
+    that failed adds nothing)."""
+    pushed_total: PushBytes
+    """Every snapshot and push this keeper made."""
+    holds: int
+    """Buddy copies received, verified and installed for other ranks."""
+    last_hold: PushBytes
+    """The latest of those."""
+    held_total: PushBytes
+    """All of them."""
 
 
 def _layout_key(captured: Captured) -> tuple[Any, ...]:
@@ -60,11 +115,19 @@ def _layout_key(captured: Captured) -> tuple[Any, ...]:
 
 
 def _copy_into(captured: Captured, buffers: list[torch.Tensor] | None) -> Captured:
-    if buffers is None or len(buffers) != len(captured.tensors):
-        buffers = [torch.empty_like(t) for t in captured.tensors]
-    for dst, src in zip(buffers, captured.tensors):
-        dst.copy_(src)
-    return Captured(captured.manifest, buffers)
+    """A snapshot of ``captured`` in ``buffers`` (new ones when None): each byte copied once.
+
+    Tensors the capture already copied (non-contiguous live ones) are taken as they are.
+    """
+    if buffers is not None and len(buffers) != len(captured.tensors):
+        buffers = None
+    out = []
+    for i, src in enumerate(captured.tensors):
+        if i in captured.private:
+            out.append(src)
+        else:
+            out.append((torch.empty_like(src) if buffers is None else buffers[i]).copy_(src))
+    return Captured(captured.manifest, out)
 
 
 class BuddyKeeper:
@@ -104,14 +167,23 @@ class BuddyKeeper:
         self._requests = 0
         """Counts start() calls: a failure of a push that a newer request superseded is not the current one's."""
         self._interrupted = False
-        self.bytes_pushed = 0
+        self._pushes = 0
+        self._last_push = PushBytes()
+        self._pushed_total = PushBytes()
+        self._holds = 0
+        self._last_hold = PushBytes()
+        self._held_total = PushBytes()
         self.finishing = False
         """Set once training ended: a push failing because the buddy already exited is expected then."""
         threading.Thread(target=self._work, name="torchpass-buddy", daemon=True).start()
 
     # ---- the training thread's side ---------------------------------------------
     def start(self, live: Captured, buddy: Address | None) -> None:
-        """Snapshot ``live`` (at its version) and push its sharded part to ``buddy`` (None: no buddy)."""
+        """Snapshot ``live`` (at its version) and push its sharded part to ``buddy`` (None: no buddy).
+
+        ``live`` is a capture made for this call: its live tensors are read until
+        :meth:`wait_copied` returns, and the ones the capture copied become the snapshot's.
+        """
         with self._cv:
             self._interrupted = False
             self._undelivered = None
@@ -188,18 +260,23 @@ class BuddyKeeper:
                 with self._cv:
                     self._snapshots[version] = snap
                     self._copied = version
+                    # Every byte once: here, or by the capture for the tensors it had to copy.
+                    self._account_push(PushBytes(copied=snap.manifest.nbytes), new=True)
                     self._cv.notify_all()
                 self._publish(snap, "snapshot")
                 if buddy is not None:
-                    self.bytes_pushed += push_state(
+                    part = self._sharded_part(snap)
+                    stats = push_state(
                         buddy,
                         self.rank,
-                        self._sharded_part(snap),
+                        part,
                         chunk_bytes=self._chunk_bytes,
                         retries=self._retries,
                         timeout=self._timeout,
                         secret=self._secret,
                     )
+                    with self._cv:
+                        self._account_push(PushBytes(part.manifest.nbytes, 0, stats.checksummed, stats.nbytes), new=False)
             except (TransferError, OSError) as exc:
                 # The buddy is gone (it failed, hangs, or is being replaced): this version is
                 # not protected, so the gate that says it is must not open; the rank ends the
@@ -220,6 +297,19 @@ class BuddyKeeper:
             with self._cv:
                 self._pushed = max(self._pushed, version)
                 self._cv.notify_all()
+
+    def _account_push(self, more: PushBytes, *, new: bool) -> None:
+        """Add ``more`` to the latest push's counts (a new push when ``new``) and to the totals; holds the lock."""
+        if new:
+            self._pushes += 1
+            self._last_push = PushBytes()
+        self._last_push += more
+        self._pushed_total += more
+
+    def counters(self) -> BuddyCounters:
+        """Bytes copied and checksummed by this rank's buddy work: its latest push and all, its latest held copy and all."""
+        with self._cv:
+            return BuddyCounters(self._pushes, self._last_push, self._pushed_total, self._holds, self._last_hold, self._held_total)
 
     def _sharded_part(self, snap: Captured) -> Captured:
         classes = snap.manifest.meta["classes"]
@@ -256,8 +346,15 @@ class BuddyKeeper:
         return [torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in manifest.entries]
 
     def on_held(self, src: int, captured: Captured) -> None:
+        """Install a copy of ``src``'s state as the state server hands it over: received in place and
+        verified, with the CRC table that verified it (which counts the bytes checksummed)."""
+        assert captured.crcs is not None  # the state server verified it on receipt
+        checked = captured.crcs.checksummed
         with self._cv:
             self._held.setdefault(src, {})[captured.manifest.version] = captured
+            self._holds += 1
+            self._last_hold = PushBytes(pushed=captured.manifest.nbytes, checksummed=checked, transferred=checked)
+            self._held_total += self._last_hold
         self._publish(captured, f"held:{src}")
 
     def forget_holdings_except(self, sources: set[int]) -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, get_type_hints
 
+from .checksum import CHUNK_BYTES
+
 __all__ = [
     "ChaosConfig",
     "ConfigError",
@@ -185,7 +187,7 @@ class TorchPassConfig:
     rolls back at most this many steps; larger values trade recompute for copy traffic."""
 
     transfer_chunk_bytes: int = field(
-        default=4 << 20, metadata={"check": (lambda v: 64 << 10 <= v <= 1 << 30, "an integer in [65536, 1073741824]")}
+        default=CHUNK_BYTES, metadata={"check": (lambda v: 64 << 10 <= v <= 1 << 30, "an integer in [65536, 1073741824]")}
     )
     """Size of one checksummed transfer chunk. 4 MiB keeps the checksum cost hidden behind
     the socket while a corrupted chunk costs little to resend."""

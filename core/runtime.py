@@ -45,6 +45,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,7 @@ class Runtime:
         """The training thread's time inside the per-step hooks (see ``core/critical_path.py``)."""
         self.server = StateServer(
             secret=self.secret,
+            chunk_bytes=self._config.transfer_chunk_bytes,
             host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host(),
             hold_into=lambda src, manifest: self._holder().hold_into(src, manifest),
             on_held=lambda src, captured: self._holder().on_held(src, captured),
@@ -498,7 +500,8 @@ class Runtime:
         if self.config.telemetry.final_digest and self.provider is not None and self.rank is not None:
             self._write_final_digest()
         if self.rank is not None and self._attached:
-            self.timers.write(Path(os.environ["TORCHPASS_RUN_DIR"]), self.rank)
+            extra = {"buddy": asdict(self.buddy.counters())} if self.buddy is not None else None
+            self.timers.write(Path(os.environ["TORCHPASS_RUN_DIR"]), self.rank, extra)
 
     def _write_final_digest(self) -> None:
         """``<run_dir>/final/rank<r>.json``: this rank's final state digest, version and PID (see TelemetryConfig)."""

@@ -14,37 +14,43 @@ Protocol, per connection (after the handshake, every message is an 8-byte length
 1. the receiver asks a source for its :class:`~torchpass.core.manifest.Manifest`
    at an expected version (and, when verifying replicas, for its fingerprint);
 2. it allocates buffers and deals the chunks out over all sources, which then
-   stream frames ``(tensor index, offset, length, crc32)`` + payload straight
-   from the live tensors; the receiver ``recv_into``s the destination memory;
-3. a verifier thread checks every chunk's CRC32 while the next one arrives;
+   stream frames ``(tensor index, offset, length, crc32c)`` + payload straight
+   from the published tensors; the receiver ``recv_into``s the destination
+   memory, so received bytes are never copied again;
+3. every received chunk's CRC32C is checked while the next ones arrive;
    chunks that fail are requested again, up to ``retries`` rounds, after which
    the transfer fails: a receiver never resumes on unverified bytes.
 
-Both sides pipeline: the source computes CRCs one step ahead of the socket and
-the receiver verifies one step behind it; ``zlib.crc32`` and socket I/O release
-the GIL, so the stages overlap on separate cores.
+Checksums run on the process's checksum threads, one per core up to 4
+(:mod:`~torchpass.core.checksum`): the source asks for CRCs a few chunks ahead
+of the socket, the receiver verifies behind it, and hardware CRC32C (~13 GB/s a
+thread here) and socket I/O release the GIL, so the checksum never bounds the
+transfer. A published copy keeps its chunk CRCs (:class:`~torchpass.core.checksum.CrcTable`):
+each is computed once however often the copy is fingerprinted or sent, and a
+buddy copy's are the ones its holder verified on receipt.
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+import itertools
 import json
 import math
 import mmap
-import queue
 import socket
 import struct
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from . import handshake, safe_pickle
+from .checksum import CHUNK_BYTES, Chunk, CrcTable, chunk_grid
 from .comms import socket_creation_lock
-from .manifest import Captured, Manifest, TensorEntry, fingerprint, tensor_bytes, tensor_crcs
+from .manifest import Captured, Manifest, TensorEntry, fingerprint, tensor_bytes
 
 __all__ = ["Address", "ReceivePool", "Source", "StateServer", "TransferError", "TransferStats", "fetch_state", "push_state"]
 
@@ -54,6 +60,9 @@ Source = tuple[Address, str]
 _FRAME = struct.Struct("!IQII")
 _END = 0xFFFFFFFF
 _SOCKET_BUFFER = 8 << 20
+_LOOKAHEAD = 8
+"""Chunks whose CRCs a sender asks for ahead of the socket: enough to keep every checksum
+thread busy while one chunk drains, few enough that streams served at once share the threads."""
 MAX_MESSAGE_BYTES = 1 << 30
 """The largest request, reply or manifest a peer may announce: a manifest lists one entry per tensor
 (~100 bytes each), so this leaves room for millions of tensors while a bad length cannot claim all memory."""
@@ -65,13 +74,19 @@ class TransferError(RuntimeError):
 
 @dataclass
 class TransferStats:
-    """What one fetch moved and how long it took."""
+    """What one fetch or push moved, checksummed, and how long it took."""
 
     nbytes: int = 0
+    """Bytes that crossed the sockets, resends included."""
     seconds: float = 0.0
     chunks: int = 0
+    """Chunks in the first round."""
     resent_chunks: int = 0
     sources: list[str] = field(default_factory=list)
+    """Where a fetch read from (``host:port/copy``); empty for a push."""
+    checksummed: int = 0
+    """Bytes this end put through CRC32C: a receiver verifies every byte it receives (resends
+    included), a pusher computes each chunk's CRC once and reuses it for resends."""
 
     @property
     def gbps(self) -> float:
@@ -114,58 +129,37 @@ def _tune(sock: socket.socket, timeout: float | None = None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _SOCKET_BUFFER)
 
 
-Chunk = tuple[int, int, int]  # tensor index, byte offset, byte length
-
-
-def _chunks(manifest: Manifest, indices: Iterable[int], chunk_bytes: int) -> list[Chunk]:
-    out = []
-    for i in indices:
-        size = manifest.entries[i].nbytes
-        for off in range(0, size, chunk_bytes):
-            out.append((i, off, min(chunk_bytes, size - off)))
-    return out
-
-
 def _send_frames(
     conn: socket.socket,
-    captured: Captured,
+    table: CrcTable,
     chunks: Sequence[Chunk],
     corrupt: Callable[[Chunk, memoryview], bytes | None] | None = None,
 ) -> int:
-    """Stream ``chunks`` of ``captured`` with their CRC32s, computed one step ahead on a helper thread."""
-    ready: queue.Queue[tuple[Chunk, memoryview, int] | None] = queue.Queue(maxsize=8)
-
-    def checksum() -> None:
-        for chunk in chunks:
-            index, offset, length = chunk
-            view = tensor_bytes(captured.tensors[index])[offset : offset + length]
-            ready.put((chunk, view, zlib.crc32(view)))
-        ready.put(None)
-
-    threading.Thread(target=checksum, name="torchpass-crc", daemon=True).start()
+    """Stream ``chunks`` of ``table``'s copy with their CRC32Cs, asked for :data:`_LOOKAHEAD` chunks ahead."""
+    upcoming = iter(chunks)
+    ahead = collections.deque((chunk, table.crc(chunk)) for chunk in itertools.islice(upcoming, _LOOKAHEAD))
     sent = 0
-    while (item := ready.get()) is not None:
-        (index, offset, length), view, crc = item
-        payload = corrupt((index, offset, length), view) if corrupt else None
-        conn.sendall(_FRAME.pack(index, offset, length, crc))
+    while ahead:
+        chunk, crc = ahead.popleft()
+        following = next(upcoming, None)
+        if following is not None:
+            ahead.append((following, table.crc(following)))
+        view = table.view(chunk)
+        payload = corrupt(chunk, view) if corrupt else None
+        conn.sendall(_FRAME.pack(*chunk, crc.result()))
         conn.sendall(payload if payload is not None else view)
-        sent += length
+        sent += chunk[2]
     conn.sendall(_FRAME.pack(_END, 0, 0, 0))
     return sent
 
 
-def _receive_frames(sock: socket.socket, views: list[memoryview], bad: list[Chunk]) -> int:
-    """Receive frames into ``views`` until the end marker, verifying CRCs one step behind on a helper thread."""
-    verify: queue.Queue[tuple[Chunk, int] | None] = queue.Queue()
+def _receive_frames(sock: socket.socket, table: CrcTable, bad: list[Chunk]) -> int:
+    """Receive frames into ``table``'s copy until the end marker; appends the chunks failing their CRC to ``bad``.
 
-    def verifier() -> None:
-        while (item := verify.get()) is not None:
-            (index, offset, length), crc = item
-            if zlib.crc32(views[index][offset : offset + length]) != crc:
-                bad.append((index, offset, length))
-
-    checker = threading.Thread(target=verifier, name="torchpass-verify", daemon=True)
-    checker.start()
+    Each chunk is verified on the checksum threads while the next ones arrive; one
+    that matches becomes the copy's known CRC for that chunk.
+    """
+    checks: list[tuple[Chunk, int, concurrent.futures.Future[int]]] = []
     header = bytearray(_FRAME.size)
     received = 0
     try:
@@ -174,15 +168,28 @@ def _receive_frames(sock: socket.socket, views: list[memoryview], bad: list[Chun
             index, offset, length, crc = _FRAME.unpack(header)
             if index == _END:
                 break
-            if index >= len(views) or offset + length > len(views[index]):
+            if index >= len(table.views) or offset + length > len(table.views[index]):
                 raise TransferError(f"a frame for bytes {offset}..{offset + length} of tensor {index} lies outside the manifest")
-            _recv_exact(sock, views[index][offset : offset + length])
-            verify.put(((index, offset, length), crc))
+            chunk = (index, offset, length)
+            _recv_exact(sock, table.view(chunk))
+            checks.append((chunk, crc, table.recompute(chunk)))
             received += length
     finally:
-        verify.put(None)
-        checker.join()
+        # Checksum threads read the destination: none may still be at it once this returns.
+        concurrent.futures.wait([computed for _, _, computed in checks])
+    for chunk, crc, computed in checks:
+        if computed.result() == crc:
+            table.record(chunk, crc)
+        else:
+            bad.append(chunk)
     return received
+
+
+def _check_chunks(manifest: Manifest, chunks: Sequence[Chunk]) -> None:
+    """Refuse requested chunks that lie outside ``manifest`` (a payload shorter than its frame would desynchronize the stream)."""
+    for index, offset, length in chunks:
+        if not 0 <= index < len(manifest.entries) or offset < 0 or length < 0 or offset + length > manifest.entries[index].nbytes:
+            raise TransferError(f"requested bytes {offset}..{offset + length} of tensor {index} lie outside the manifest")
 
 
 def _load_manifest(raw: bytes) -> Manifest:
@@ -214,6 +221,12 @@ class StateServer:
     consistent copies of earlier versions) and ``held:<rank>`` (a buddy copy of
     another rank's state). A receiver asks for a copy by name and version.
 
+    Each published copy keeps its chunk CRCs (the copy's own, such as a held copy's
+    verified on receipt, or a new table): fingerprints and sends of it share them.
+    ``chunk_bytes`` is the grid a ``live`` copy is checksummed on as soon as it is
+    published, off the migration's critical path: the job's transfer chunk size, so
+    the receivers' fingerprint requests and chunk requests find every CRC ready.
+
     ``corrupt`` is a chaos hook: it may return altered payload bytes for a chunk
     (``torchpass`` chaos scenarios and the transfer tests use it); the CRC sent
     is always that of the true bytes, so corruption is what the receiver sees.
@@ -227,13 +240,14 @@ class StateServer:
         corrupt: Callable[[Chunk, memoryview], bytes | None] | None = None,
         on_held: HeldCallback | None = None,
         hold_into: Callable[[int, Manifest], list[torch.Tensor]] | None = None,
+        chunk_bytes: int = CHUNK_BYTES,
     ):
         with socket_creation_lock:
             self._listener = socket.create_server((host, 0), backlog=64)
         self.address: Address = (host, self._listener.getsockname()[1])
         self._copies: dict[tuple[str, int], Captured] = {}
-        self._crcs: dict[tuple[str, int], concurrent.futures.Future[list[int]]] = {}
-        self._hasher = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchpass-fingerprint")
+        """Published copies, each with its CRC table."""
+        self._chunk_bytes = chunk_bytes
         self._lock = threading.Lock()
         self._corrupt = corrupt
         self._on_held = on_held
@@ -253,26 +267,24 @@ class StateServer:
         with self._lock:
             for key in [k for k in self._copies if k[0] == copy and (captured is None or copy == "live")]:
                 del self._copies[key]
-                self._crcs.pop(key, None)
             if captured is not None:
-                key = (copy, captured.manifest.version)
-                self._copies[key] = captured
+                served = Captured(captured.manifest, captured.tensors, captured.checksums())
+                self._copies[(copy, captured.manifest.version)] = served
                 if copy == "live":
-                    # Survivors publish while they wait for the plan: hash then, so a
-                    # receiver checking replicas against each other does not wait for it.
-                    self._crcs[key] = self._hasher.submit(tensor_crcs, captured)
+                    # Survivors publish while they wait for the plan: checksum then, so a
+                    # receiver checking replicas against each other, then fetching, does not wait.
+                    assert served.crcs is not None
+                    for chunk in chunk_grid([e.nbytes for e in captured.manifest.entries], self._chunk_bytes):
+                        served.crcs.crc(chunk)
 
     def withdraw(self, copy: str, version: int) -> None:
+        """Stop serving ``copy`` at ``version`` (its buffers are about to be reused)."""
         with self._lock:
             self._copies.pop((copy, version), None)
-            self._crcs.pop((copy, version), None)
 
-    def _fingerprint(self, copy: str, version: int, captured: Captured, classes: set[str] | None) -> str:
-        with self._lock:
-            future = self._crcs.get((copy, version))
-            if future is None:
-                future = self._crcs[(copy, version)] = self._hasher.submit(tensor_crcs, captured)
-        return fingerprint(captured, classes, future.result())
+    def fingerprint(self, copy: str, version: int, classes: set[str] | None = None, chunk_bytes: int = CHUNK_BYTES) -> str:
+        """The :func:`~torchpass.core.manifest.fingerprint` of a published copy, from (and into) its CRC table."""
+        return fingerprint(self._lookup(copy, version), classes, chunk_bytes=chunk_bytes)
 
     def close(self) -> None:
         self._closed = True
@@ -322,11 +334,14 @@ class StateServer:
                         _send_msg(conn, b"ok" + safe_pickle.dumps(captured.manifest))
                     elif op == "fingerprint":
                         classes = set(request["classes"]) if request.get("classes") is not None else None
-                        digest = self._fingerprint(request.get("copy", "live"), int(request["version"]), captured, classes)
+                        digest = fingerprint(captured, classes, chunk_bytes=int(request["chunk_bytes"]))
                         _send_msg(conn, b"ok" + digest.encode())
                     elif op == "chunks":
+                        chunks = [(int(i), int(o), int(n)) for i, o, n in request["chunks"]]
+                        _check_chunks(captured.manifest, chunks)
                         _send_msg(conn, b"ok")
-                        self.served_bytes += _send_frames(conn, captured, [tuple(c) for c in request["chunks"]], self._corrupt)
+                        assert captured.crcs is not None  # every published copy has its table
+                        self.served_bytes += _send_frames(conn, captured.crcs, chunks, self._corrupt)
                     else:
                         _send_msg(conn, b"er" + f"unknown request {op!r}".encode())
                 except TransferError as exc:
@@ -338,15 +353,16 @@ class StateServer:
         if self._hold_into is None or self._on_held is None:
             raise TransferError("this rank does not hold buddy copies")
         tensors = self._hold_into(src, manifest)
-        views = [tensor_bytes(t) for t in tensors]
+        # The held copy keeps the CRCs verified on receipt: serving it later reads it for nothing else.
+        table = CrcTable([tensor_bytes(t) for t in tensors])
         _send_msg(conn, b"ok")
         while True:
             bad: list[Chunk] = []
-            _receive_frames(conn, views, bad)
+            _receive_frames(conn, table, bad)
             if not bad:
                 # Recorded before the acknowledgement: once the pusher's gate opens, this
                 # rank reports the copy as held (a migration may ask the very next moment).
-                self._on_held(src, Captured(manifest, tensors))
+                self._on_held(src, Captured(manifest, tensors, table))
             _send_msg(conn, json.dumps({"bad": bad}).encode())
             if not bad:
                 break
@@ -371,10 +387,10 @@ class _SourceConnection:
             raise TransferError(f"source {self.address[0]}:{self.address[1]}: {reply[2:].decode()}")
         return reply[2:]
 
-    def receive_chunks(self, copy: str, chunks: list[Chunk], version: int, views: list[memoryview], bad: list[Chunk]) -> int:
-        """Stream ``chunks`` into ``views``; appends chunks failing their CRC to ``bad``."""
+    def receive_chunks(self, copy: str, chunks: list[Chunk], version: int, table: CrcTable, bad: list[Chunk]) -> int:
+        """Stream ``chunks`` into ``table``'s copy; appends chunks failing their CRC to ``bad``."""
         self.request({"op": "chunks", "copy": copy, "version": version, "chunks": chunks})
-        return _receive_frames(self.sock, views, bad)
+        return _receive_frames(self.sock, table, bad)
 
     def close(self) -> None:
         try:
@@ -441,7 +457,7 @@ def fetch_state(
     sources: Sequence[Source],
     version: int,
     *,
-    chunk_bytes: int = 4 << 20,
+    chunk_bytes: int = CHUNK_BYTES,
     retries: int = 3,
     timeout: float = 60.0,
     verify_replicas: bool = False,
@@ -461,7 +477,9 @@ def fetch_state(
     shape) are received in place; the rest land in ``pool`` or fresh memory.
     Receiving into memory that was never touched costs a page fault per 4 KiB
     (measured here: ~0.3-0.9 GB/s against ~2.5 GB/s into touched memory), which
-    is why spares pre-fault a pool while they wait.
+    is why spares pre-fault a pool while they wait. Replicas' fingerprints
+    (``verify_replicas``) are taken on the ``chunk_bytes`` grid, which the
+    chunks requested next share: each source reads its bytes once for both.
     """
     if not sources:
         raise TransferError("no source to fetch state from")
@@ -474,7 +492,9 @@ def fetch_state(
             classes = sorted(state_classes) if state_classes else None
             with concurrent.futures.ThreadPoolExecutor(len(conns)) as pool_:
                 answers = pool_.map(
-                    lambda cc: cc[0].request({"op": "fingerprint", "copy": cc[1], "version": version, "classes": classes}),
+                    lambda cc: cc[0].request(
+                        {"op": "fingerprint", "copy": cc[1], "version": version, "classes": classes, "chunk_bytes": chunk_bytes}
+                    ),
                     zip(conns, copies),
                 )
                 prints = {f"{c.address[0]}:{c.address[1]}/{copy}": a.decode() for (c, copy), a in zip(zip(conns, copies), answers)}
@@ -482,8 +502,8 @@ def fetch_state(
                 raise TransferError(f"replicas disagree on the state at version {version}: fingerprints {prints}")
         wanted = [i for i, e in enumerate(manifest.entries) if state_classes is None or e.state_class in state_classes]
         tensors = _destinations(manifest, into, pool)
-        views = [tensor_bytes(t) for t in tensors]
-        pending = _chunks(manifest, wanted, chunk_bytes)
+        table = CrcTable([tensor_bytes(t) for t in tensors])
+        pending = chunk_grid([e.nbytes for e in manifest.entries], chunk_bytes, wanted)
         stats = TransferStats(chunks=len(pending), sources=[f"{a[0]}:{a[1]}/{copy}" for a, copy in sources])
         for attempt in range(retries + 1):
             bad: list[Chunk] = []
@@ -492,17 +512,20 @@ def fetch_state(
 
             def run(i: int, work: list[Chunk]) -> None:
                 try:
-                    received[i] = conns[i].receive_chunks(copies[i], work, version, views, bad)
-                except BaseException as exc:  # surfaced below with the source's address
+                    received[i] = conns[i].receive_chunks(copies[i], work, version, table, bad)
+                except Exception as exc:  # surfaced below with the source's address
                     errors.append(TransferError(f"source {conns[i].address}: {exc}"))
+                except BaseException as exc:  # an interrupt (this thread's share): surfaced below as it is
+                    errors.append(exc)
 
-            threads = [
-                threading.Thread(target=run, args=(i, work), name="torchpass-fetch", daemon=True)
-                for i, work in enumerate(_deal(pending, len(conns)))
-                if work
-            ]
+            shares = [(i, work) for i, work in enumerate(_deal(pending, len(conns))) if work]
+            # This thread reads the first share itself: with one source no thread is
+            # started at all, whose start-up a small transfer would feel.
+            threads = [threading.Thread(target=run, args=share, name="torchpass-fetch", daemon=True) for share in shares[1:]]
             for t in threads:
                 t.start()
+            if shares:
+                run(*shares[0])
             for t in threads:
                 t.join()
             if errors:
@@ -519,6 +542,7 @@ def fetch_state(
                 f"first: tensor {manifest.entries[pending[0][0]].name!r} at byte {pending[0][1]}"
             )
         stats.seconds = time.perf_counter() - start
+        stats.checksummed = table.checksummed
         return manifest, tensors, stats
     finally:
         for c in conns:
@@ -527,12 +551,18 @@ def fetch_state(
 
 def push_state(
     address: Address, src: int, captured: Captured, *, chunk_bytes: int, retries: int, timeout: float, secret: bytes
-) -> int:
-    """Send ``captured`` (a buddy copy of rank ``src``) to the rank holding it; returns bytes sent.
+) -> TransferStats:
+    """Send ``captured`` (a buddy copy of rank ``src``, unchanging while it is sent) to the rank holding it.
 
     The holder verifies every chunk and asks again for the ones that fail, up to
     ``retries`` rounds; it installs the copy only once every chunk is verified.
+    Each chunk's CRC is computed once, on the bytes as first sent, and reused for
+    a resend: bytes that changed since fail again rather than travel with a new
+    checksum. The stats count the bytes sent, resends included, and checksummed.
     """
+    start = time.perf_counter()
+    table = captured.checksums()
+    before = table.checksummed
     conn = _SourceConnection(address, timeout, secret)
     try:
         _send_msg(conn.sock, json.dumps({"op": "hold", "src": src, "version": captured.manifest.version}).encode())
@@ -540,13 +570,17 @@ def push_state(
         reply = _recv_msg(conn.sock)
         if reply[:2] != b"ok":
             raise TransferError(f"holder {address[0]}:{address[1]}: {reply[2:].decode()}")
-        pending = _chunks(captured.manifest, range(len(captured.manifest.entries)), chunk_bytes)
-        sent = 0
-        for _ in range(retries + 1):
-            sent += _send_frames(conn.sock, captured, pending)
-            pending = [tuple(c) for c in json.loads(_recv_msg(conn.sock))["bad"]]
+        pending = chunk_grid([e.nbytes for e in captured.manifest.entries], chunk_bytes)
+        stats = TransferStats(chunks=len(pending))
+        for attempt in range(retries + 1):
+            stats.nbytes += _send_frames(conn.sock, table, pending)
+            if attempt:
+                stats.resent_chunks += len(pending)
+            pending = [(int(i), int(o), int(n)) for i, o, n in json.loads(_recv_msg(conn.sock))["bad"]]
             if not pending:
-                return sent
+                stats.seconds = time.perf_counter() - start
+                stats.checksummed = table.checksummed - before
+                return stats
         raise TransferError(f"buddy copy of rank {src}: {len(pending)} chunk(s) still corrupt after {retries} resends")
     finally:
         conn.close()

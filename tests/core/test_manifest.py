@@ -7,7 +7,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from torchpass.core.manifest import capture, fingerprint, rebuild, state_digest, tensor_bytes
+from torchpass.core.manifest import Captured, capture, fingerprint, rebuild, state_digest, tensor_bytes
 
 
 def nested_state() -> dict:
@@ -112,8 +112,10 @@ def test_non_contiguous_tensors_are_copied_and_rebuilt_equal():
     base = torch.randn(6, 4)
     transposed = base.t()
     strided = base[:, ::2]
-    captured = capture({"m": {"t": transposed, "s": strided}}, {}, version=0)
+    captured = capture({"m": {"t": transposed, "s": strided, "c": base}}, {}, version=0)
     assert all(t.is_contiguous() for t in captured.tensors)
+    assert captured.private == {0, 1}  # the copies; the contiguous tensor is referenced
+    assert captured.tensors[2] is not base and captured.tensors[2].data_ptr() == base.data_ptr()
     assert captured.tensors[0].data_ptr() != base.data_ptr()
     rebuilt = rebuild(captured.manifest, copies(captured))
     assert torch.equal(rebuilt["m"]["t"], transposed)
@@ -209,6 +211,15 @@ def test_fingerprint_restricted_to_state_classes():
     assert fingerprint(a, {"params", "optimizer"}) != fingerprint(b, {"params", "optimizer"})
     assert fingerprint(a, {"params"}) != fingerprint(a, {"optimizer"})
     assert fingerprint(a, set()) == fingerprint(b, set())
+
+
+def test_fingerprint_reads_a_copy_once_through_its_crc_table():
+    captured = capture({"m": {"w": torch.randn(1000, 300), "b": torch.randn(7)}}, {"m": "params"}, version=0)
+    kept = Captured(captured.manifest, captured.tensors, captured.checksums())
+    chunk = 64 << 10
+    assert fingerprint(kept, chunk_bytes=chunk) == fingerprint(kept, chunk_bytes=chunk) == fingerprint(captured, chunk_bytes=chunk)
+    assert kept.crcs is not None and kept.crcs.checksummed == captured.manifest.nbytes
+    assert fingerprint(kept, set()) == fingerprint(captured, set())  # nothing selected, nothing read
 
 
 def test_fingerprint_covers_names_dtypes_and_shapes():

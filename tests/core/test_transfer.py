@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchpass.core import handshake
-from torchpass.core.manifest import capture, fingerprint, rebuild, state_digest, tensor_bytes
+from torchpass.core.checksum import crc32c
+from torchpass.core.manifest import Captured, capture, fingerprint, rebuild, state_digest, tensor_bytes
 from torchpass.core.transfer import ReceivePool, StateServer, TransferError, fetch_state, push_state
 
 from tests.support.secret import SECRET
@@ -111,7 +112,29 @@ def test_full_fetch_is_bitwise_equal(servers):
     assert stats.nbytes == total_bytes(captured)
     assert stats.chunks > 4 and stats.resent_chunks == 0
     assert stats.sources == [f"{server.address[0]}:{server.address[1]}/live"]
+    assert stats.checksummed == stats.nbytes  # every received byte verified, once
     assert served(server) == total_bytes(captured)
+
+
+def test_the_integrity_checksum_is_crc32c():
+    assert crc32c(b"123456789") == 0xE3069283  # the CRC-32C check value (RFC 3720)
+    t = torch.arange(1000, dtype=torch.float32)
+    assert crc32c(tensor_bytes(t)) == crc32c(t.numpy().tobytes())  # tensor memory, read in place
+
+
+def test_a_published_copy_is_checksummed_once_however_often_it_is_fingerprinted_and_sent(servers):
+    state = make_state()
+    live = capture(state, CLASSES, version=5)
+    table = live.checksums()
+    a = servers(chunk_bytes=CHUNK)
+    a.publish(Captured(live.manifest, live.tensors, table))  # live: checksummed on publication
+    b, _ = serve(servers, make_state(), chunk_bytes=CHUNK)
+    for _ in range(2):
+        _, tensors, _ = fetch([a, b], verify_replicas=True)
+        assert_bitwise_equal(tensors, live)
+    _, tensors, _ = fetch([a])
+    assert_bitwise_equal(tensors, live)
+    assert table.checksummed == total_bytes(live)
 
 
 def test_fetch_striped_over_two_replicas(servers):
@@ -231,6 +254,26 @@ def test_corrupted_chunk_is_detected_and_resent(servers):
     assert len(hits) == 2
     assert stats.resent_chunks == 2
     assert stats.nbytes == total_bytes(captured) + sum(c[2] for c in hits)
+    assert stats.checksummed == stats.nbytes  # resent chunks are verified again
+    assert_bitwise_equal(tensors, captured)
+
+
+def test_a_resent_chunk_travels_with_the_crc_computed_the_first_time(servers):
+    once: list = []
+
+    def corrupt(chunk, view):
+        if not once:
+            once.append(chunk)
+            return flip_first_byte(view)
+        return None
+
+    captured = capture(make_state(), CLASSES, version=5)
+    table = captured.checksums()
+    server = servers(corrupt=corrupt)
+    server.publish(Captured(captured.manifest, captured.tensors, table), "snapshot")  # not checksummed until sent
+    _, tensors, stats = fetch_state([src(server, "snapshot")], 5, chunk_bytes=CHUNK, timeout=20.0, secret=SECRET)
+    assert stats.resent_chunks == 1
+    assert table.checksummed == total_bytes(captured)  # the source read each byte once for its CRC
     assert_bitwise_equal(tensors, captured)
 
 
@@ -393,6 +436,20 @@ def test_a_pickle_that_would_run_code_is_never_loaded_even_from_a_peer_with_the_
         reply = sock.recv(1 << 16)
     assert reply[8:10] == b"er" and b"cannot be loaded safely" in reply
     assert not canary.exists()
+
+
+@pytest.mark.parametrize("chunk", [[9, 0, 4], [0, 79_999, 2], [0, 0, -1]])
+def test_a_chunk_outside_the_manifest_is_refused(servers, chunk):
+    server, captured = serve(servers, make_state())
+    with socket.create_connection(server.address, timeout=10) as sock:
+        handshake.connect(sock, SECRET)
+        body = json.dumps({"op": "chunks", "copy": "live", "version": 5, "chunks": [chunk]}).encode()
+        sock.sendall(len(body).to_bytes(8, "little") + body)
+        header = sock.recv(8, socket.MSG_WAITALL)
+        reply = sock.recv(int.from_bytes(header, "little"), socket.MSG_WAITALL)
+    assert reply[:2] == b"er" and b"outside the manifest" in reply
+    _, tensors, _ = fetch([server])
+    assert_bitwise_equal(tensors, captured)
 
 
 def test_an_oversized_length_allocates_nothing_and_the_server_goes_on(servers):
