@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -89,7 +90,7 @@ def worker(args: argparse.Namespace) -> None:
     times = open(args.times, "a", buffering=1)
 
     def record(number: int, seconds: float) -> None:
-        times.write(json.dumps({"step": number, "seconds": seconds}) + "\n")
+        times.write(json.dumps({"step": number, "seconds": seconds, "rank": int(os.environ["RANK"]), "at": time.monotonic()}) + "\n")
 
     model = Regression()
     if args.loop == "trainer":
@@ -162,6 +163,7 @@ def _trainer_worker(args: argparse.Namespace, model: Any, data: Any, config: dic
 # ---- the driver ----------------------------------------------------------------------------
 def run_job(kind: str, work: Path, zero: int, loop: str, args: argparse.Namespace, kill_at: int | None = None) -> dict:
     """One job under ``torchrun`` (no block) or ``torchpass`` (block enabled); optionally SIGKILL rank 1 at a step."""
+    from torchpass.core.critical_path import read_summaries
     from torchpass.core.inject import inject
     from torchpass.core.ledger import read_ledger
 
@@ -171,18 +173,18 @@ def run_job(kind: str, work: Path, zero: int, loop: str, args: argparse.Namespac
     job = [str(HERE), "--worker", "--loop", loop, "--zero", str(zero), "--steps", str(args.steps), "--width", str(args.width),
            "--depth", str(args.depth), "--times", str(times)]  # fmt: skip
     if kind == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *job]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc), *job]
     else:
         cmd = [
-            sys.executable, "-m", "torchpass", "launch", "--standalone", "--nproc-per-node", "2", "--spares-per-node", "1",
+            sys.executable, "-m", "torchpass", "launch", "--standalone", "--nproc-per-node", str(args.nproc), "--spares-per-node", "1",
             "--run-dir", str(work / "run"), "--config", "fast_detect", "--quiet", *job, "--block",
         ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE.parent.parent)}
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=work, stdout=open(work / "log", "w"), stderr=subprocess.STDOUT, env=env)
     if kill_at is not None:
-        # Both ranks append to the times file: two lines per step.
-        while not times.exists() or sum(1 for _ in open(times)) < 2 * kill_at:
+        # Every rank appends to the times file: a line per rank and step.
+        while not times.exists() or sum(1 for _ in open(times)) < args.nproc * kill_at:
             if proc.poll() is not None:
                 raise RuntimeError(f"{kind} job ended early:\n{(work / 'log').read_text()[-2000:]}")
             time.sleep(0.05)
@@ -190,31 +192,62 @@ def run_job(kind: str, work: Path, zero: int, loop: str, args: argparse.Namespac
     if proc.wait() != 0:
         raise RuntimeError(f"{kind} job failed:\n{(work / 'log').read_text()[-3000:]}")
     records = [json.loads(line) for line in open(times)]
-    out: dict = {"wall_s": time.time() - t0, "step_s": [r["seconds"] for r in records if r["step"] > WARMUP_STEPS]}
+    out: dict = {
+        "wall_s": time.time() - t0,
+        "step_s": [r["seconds"] for r in records if r["step"] > WARMUP_STEPS],
+        "period_s": _periods(records),
+    }
     if kind == "torchpass":
         out["migrations"] = [e for e in read_ledger(work / "run") if e["type"] == "migration"]
+        out["critical_path"] = [asdict(s) for s in read_summaries(work / "run")]
     return out
+
+
+def _periods(records: list[dict]) -> list[float]:
+    """Each rank's time from one step's end to the next's (all of the step: the loop's and torchpass's hooks too)."""
+    by_rank: dict[int, list[dict]] = {}
+    for r in records:
+        by_rank.setdefault(r["rank"], []).append(r)
+    periods = []
+    for mine in by_rank.values():
+        mine.sort(key=lambda r: r["step"])
+        periods += [b["at"] - a["at"] for a, b in zip(mine, mine[1:]) if a["step"] > WARMUP_STEPS and b["step"] == a["step"] + 1]
+    return periods
 
 
 def bench_stage(zero: int, loop: str, args: argparse.Namespace, scratch: Path) -> dict:
     per_round: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
     samples: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
+    periods: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
+    critical: list[dict] = []
     for r in range(args.rounds):
         for kind in ("torchrun", "torchpass"):
             result = run_job(kind, scratch / f"{loop}-zero{zero}-{kind}-{r}", zero, loop, args)
             samples[kind] += result["step_s"]
+            periods[kind] += result["period_s"]
             per_round[kind].append(statistics.median(result["step_s"]))
+            critical += result.get("critical_path", [])
     median = {kind: statistics.median(values) for kind, values in samples.items()}
+    period = {kind: statistics.median(values) for kind, values in periods.items()}
     p10 = {kind: statistics.quantiles(values, n=10)[0] for kind, values in samples.items()}
-    killed = run_job("torchpass", scratch / f"{loop}-zero{zero}-kill", zero, loop, args, kill_at=args.steps // 2)
-    migration = next(m for m in killed["migrations"] if m["outcome"] == "success")
+    recovery: dict[str, Any] = {"timings": {}, "bytes_moved": 0, "steps_lost": 0, "target_step": None, "sources": None}
+    if not args.no_kill:
+        killed = run_job("torchpass", scratch / f"{loop}-zero{zero}-kill", zero, loop, args, kill_at=args.steps // 2)
+        migration = next(m for m in killed["migrations"] if m["outcome"] == "success")
+        recovery = {k: migration[k] for k in ("timings", "bytes_moved", "steps_lost", "target_step", "sources")}
     return {
         "median_step_s": median,
         "p10_step_s": p10,
         "per_round_median_step_s": per_round,
         "ratio": median["torchpass"] / median["torchrun"],
         "ratio_p10": p10["torchpass"] / p10["torchrun"],
-        "recovery": {k: migration[k] for k in ("timings", "bytes_moved", "steps_lost", "target_step", "sources")},
+        "median_period_s": period,
+        "period_ratio": period["torchpass"] / period["torchrun"],
+        "critical_path_us": statistics.mean(c["total_us"] for c in critical),
+        "critical_path_fraction": statistics.mean(c["fraction"] for c in critical),
+        "critical_path_sections_us": {k: statistics.mean(c["per_step_us"][k] for c in critical) for k in critical[0]["per_step_us"]},
+        "buddy": [c["extra"].get("buddy") for c in critical],
+        "recovery": recovery,
     }
 
 
@@ -231,29 +264,34 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (one node)")
+    p.add_argument("--out", type=Path, default=OUT, help="where the results go (JSON)")
+    p.add_argument("--no-kill", action="store_true", help="steady state only: skip the run with a SIGKILL")
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
     scratch = Path(tempfile.mkdtemp(prefix="ds-bench-"))
-    results: dict[str, Any] = {"width": args.width, "depth": args.depth, "steps": args.steps, "rounds": args.rounds, "cpus": os.cpu_count(), "runs": {}}
+    results: dict[str, Any] = {"width": args.width, "depth": args.depth, "steps": args.steps, "rounds": args.rounds, "nproc": args.nproc, "cpus": os.cpu_count(), "runs": {}}
     for loop in args.loops.split(","):
         for zero in map(int, args.stages.split(",")):
             if loop == "trainer" and zero == 3:
                 continue  # the Trainer is tested at ZeRO 0-2
             results["runs"][f"{loop} zero{zero}"] = bench_stage(zero, loop, args, scratch)
-            OUT.parent.mkdir(parents=True, exist_ok=True)
-            OUT.write_text(json.dumps(results, indent=1))
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1))
     shutil.rmtree(scratch, ignore_errors=True)
     print("| loop, ZeRO | torchrun step ms (median / p10) | torchpass + block step ms (median / p10) | ratio (median / p10) "
+          "| period ratio (median) | torchpass on the training thread, us/step (% of step) "
           "| recovery total (s) | detect | spare_setup | transfer | rebuild | resume | bytes moved | steps lost |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, stage in results["runs"].items():
         t = stage["recovery"]["timings"]
         print(
             f"| {name} | {stage['median_step_s']['torchrun'] * 1e3:.1f} / {stage['p10_step_s']['torchrun'] * 1e3:.1f} | "
             f"{stage['median_step_s']['torchpass'] * 1e3:.1f} / {stage['p10_step_s']['torchpass'] * 1e3:.1f} | "
-            f"{stage['ratio']:.3f} / {stage['ratio_p10']:.3f} | {t.get('total', 0):.2f} | {t.get('detect', 0):.2f} | {t.get('spare_setup', 0):.2f} | "
+            f"{stage['ratio']:.3f} / {stage['ratio_p10']:.3f} | {stage['period_ratio']:.3f} | "
+            f"{stage['critical_path_us']:.0f} ({stage['critical_path_fraction']:.2%}) | {t.get('total', 0):.2f} | {t.get('detect', 0):.2f} | {t.get('spare_setup', 0):.2f} | "
             f"{t.get('transfer', 0):.2f} | {t.get('rebuild', 0):.2f} | {t.get('resume', 0):.2f} | "
             f"{stage['recovery']['bytes_moved']} | {stage['recovery']['steps_lost']} |"
         )
