@@ -191,3 +191,21 @@ def test_a_ledger_written_before_fenced_was_recorded_still_reads(tmp_path):
     write_lines(tmp_path, [old])
     rep = build_report(tmp_path)
     assert rep.incidents[0]["fenced"] == {} and rep.succeeded_with_fencing == 0
+
+
+def test_the_ranks_timers_are_reported(tmp_path):
+    from torchpass.core.critical_path import CriticalPathTimers
+
+    write_lines(tmp_path, sample_events())
+    clock = [0.0]
+    timers = CriticalPathTimers(lambda: clock[0])
+    for step in (1, 2):
+        timers.step_started(0, step, clock[0])
+        clock[0] += 0.0002
+        timers.add("backward", clock[0] - 0.0002)
+        clock[0] += 0.0198
+    timers.step_started(0, 3, clock[0])
+    timers.write(tmp_path, 1)
+    rep = build_report(tmp_path)
+    assert rep.critical_path[0]["rank"] == 1 and round(rep.critical_path[0]["per_step_us"]["backward"]) == 200
+    assert "rank 1: 200 us of a 20.0 ms step (1.00%) over 2 steps" in format_report(rep)
