@@ -17,5 +17,5 @@ def test_the_recovery_bound_is_bytes_over_loopback_plus_a_step_plus_half_a_secon
 
 
 def test_transfer_goal_uses_the_migration_path_ratio() -> None:
-    rows = transfer_rows({"30": {"live_GBps": 2.0, "loopback_tcp_GBps": 2.6, "live_ratio": 0.77, "cold_ratio": 0.9}})
+    rows = transfer_rows({"30": {"fetch_GBps": 2.0, "loopback_tcp_GBps": 2.6, "ratio": 0.77, "cold_ratio": 0.9}})
     assert rows[0].met is False
