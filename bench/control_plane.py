@@ -21,14 +21,13 @@ Measured per size, for one SIGKILLed rank replaced by a spare:
   surviving worker issues for the protocol (constant by design);
 * what a member does after ``go`` before its first step, each part run for real
   against the same store through the same layers a worker uses (sealed values,
-  prefixes, the rendezvous store that gives up with its generation, the tap that notes
-  gloo's addresses), by sample ranks: the rendezvous of the rebuilt group (gloo's lazy
-  device: ``comms.rebuild_all`` writes the rank's address record, then the first
-  collectives, ``Migration._go_live``'s barrier and the first step's allreduce, read the
-  record of each peer they connect to, in the order and at the size
-  ``ProcessGroupGloo`` asks for them: ``first_collective_peers``), and the buddy
-  routing (``BuddyRouting.target``: the plan and the target's address record); their
-  store operations per rank and their time.
+  prefixes, the rendezvous store that gives up with its generation), by sample ranks:
+  the rendezvous of the rebuilt group (``comms.rebuild_all``: gloo writes the rank's
+  address record and reads every peer's, in order, exactly as
+  ``ProcessGroupGloo`` does, record sizes included; measured over the first
+  ``RENDEZVOUS_SAMPLE`` peers and scaled to the group, the loop being the same for
+  every peer), and the buddy routing (``BuddyRouting.target``: the plan and the
+  target's address record); their store operations per rank and their time.
 
 The critical path adds the controller's time until it writes ``end``, the
 plan and ``go`` to one member's rendezvous and routing after ``go``. The
@@ -45,7 +44,6 @@ import argparse
 import json
 import secrets
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -56,11 +54,12 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from torchpass.core import comms, safe_pickle
+from torchpass.core import safe_pickle
 from torchpass.core.buddy_routing import BuddyRouting
 from torchpass.core.config import TorchPassConfig
 from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Ready, Report, Status, signed
 from torchpass.core.controller import Controller, JobSpec
+from torchpass.core.rendezvous_store import InterruptibleStore
 from torchpass.core.rng import capture_rng
 from torchpass.core.signed_store import SignedStore
 from torchpass.core.topology import ddp_layout, layout_to_dict
@@ -73,6 +72,8 @@ WORKER_OPS = {"status": 2, "plan": 2, "ready": 2, "go": 2, "done": 2}
 """Store operations one surviving worker issues per migration (``Runtime.recover``): write + count, wait + read, ..."""
 ROUTING_SAMPLE = 8
 """Members whose buddy routing is run for real (the replaced rank and others spread over the job)."""
+RENDEZVOUS_SAMPLE = 512
+"""Peers whose address records one member reads for real in the rendezvous (the rest of the loop is the same)."""
 WORLD_GROUP = "0"
 """The default group's name, as c10d names it: the group the data-parallel job rebuilds."""
 BATCH_BYTES = 64 << 10
@@ -209,37 +210,17 @@ class _Holdings:
         del sources
 
 
-def gloo_record(rank: int) -> bytes:
-    """The address record a rank of a gloo group on a lazy device writes (gloo's tcp ``Rank``): the host name and the
-    device's listening address (a ``sockaddr_storage`` and a sequence number), each after its length; a lazy device
-    writes no pair identifiers. The simulated rank listens on 127.0.0.1, port 20000 + ``rank``."""
-    host = socket.gethostname().encode()
-    sockaddr = struct.pack("=H", socket.AF_INET) + (20000 + rank).to_bytes(2, "big") + socket.inet_aton("127.0.0.1")
-    address = sockaddr.ljust(128, b"\0") + struct.pack("=q", -1)
-    return struct.pack("=Q", len(host)) + host + struct.pack("=Q", len(address)) + address
+def gloo_record_bytes(size: int) -> int:
+    """Bytes of the address record a rank of a ``size``-rank gloo group writes (gloo's tcp ``Rank``): the host name
+    and the device's socket address (``sockaddr_storage`` and a sequence number), each after its length, then one
+    8-byte pair identifier per rank of the group."""
+    return 8 + len(socket.gethostname()) + 8 + 136 + 8 * size
 
 
-def first_collective_peers(rank: int, size: int) -> list[int]:
-    """The peers whose records ``rank`` reads, in order, when its rebuilt group's first collectives connect.
-
-    ``Migration._go_live``'s barrier is gloo's dissemination barrier: for d = 1, 2,
-    4, ... below ``size`` it receives from rank - d, then sends to rank + d. The
-    first step's allreduce (gloo's ring) uses rank + 1 and rank - 1, connected by
-    then. A pair reads its peer's record once, on first use.
-    """
-    order: list[int] = []
-    d = 1
-    while d < size:
-        for peer in ((rank - d) % size, (rank + d) % size):
-            if peer not in order:
-                order.append(peer)
-        d <<= 1
-    return order
-
-
-def world_prefix(generation: int) -> str:
-    """The store prefix of the world group's rendezvous for ``generation`` (``comms.rebuild_all``'s)."""
-    return f"torchpass/pg/{generation}/{WORLD_GROUP}/"
+def rendezvous_store(store: SignedStore, generation: int) -> dist.Store:
+    """The store a member's gloo rendezvous of the world group goes through (``comms.rebuild_all``'s)."""
+    prefix = dist.PrefixStore(f"torchpass/pg/{generation}/{WORLD_GROUP}/", store)
+    return InterruptibleStore(prefix, lambda: False, f"the bench's rendezvous of generation {generation}", timedelta(seconds=120))
 
 
 def rendezvous_key(rank: int) -> str:
@@ -252,24 +233,26 @@ def measure_rendezvous(
 ) -> tuple[int, float]:
     """One member's rendezvous of the world group rebuilt for ``generation``: (store operations, seconds).
 
-    As ``ProcessGroupGloo`` on a lazy device does it, through the store a transport's
-    group meets through (``comms.rendezvous_store``): write the rank's record, then
-    wait for and read the record of each peer of ``first_collective_peers``.
+    As ``ProcessGroupGloo`` does it: write the rank's record, then wait for and read
+    every rank's record in rank order (its own included). The first
+    ``RENDEZVOUS_SAMPLE`` records are read and the cost is scaled to the group.
     """
-    peers = first_collective_peers(rank, size)
-    others = dist.PrefixStore(world_prefix(generation), writer)
-    for r in peers:
-        others.set(rendezvous_key(r), gloo_record(r))  # the other members' writes: not this member's cost
-    what = f"the bench's rendezvous of generation {generation}"
-    prefix = dist.PrefixStore(world_prefix(generation), member)
-    store = comms.rendezvous_store(prefix, rank, lambda: False, what, timedelta(seconds=120))
+    record = bytes(gloo_record_bytes(size))
+    peers = min(size, RENDEZVOUS_SAMPLE)
+    others = rendezvous_store(writer, generation)
+    for r in range(peers):
+        if r != rank:
+            others.set(rendezvous_key(r), record)  # the other members' writes: not this member's cost
+    store = rendezvous_store(member, generation)
     counting.ops = 0
     t0 = time.perf_counter()
-    store.set(rendezvous_key(rank), gloo_record(rank))
-    for r in peers:
+    store.set(rendezvous_key(rank), record)
+    set_ops, t1 = counting.ops, time.perf_counter()
+    for r in range(peers):
         store.wait([rendezvous_key(r)])
         store.get(rendezvous_key(r))
-    return counting.ops, time.perf_counter() - t0
+    scale = size / peers
+    return set_ops + round((counting.ops - set_ops) * scale), (t1 - t0) + (time.perf_counter() - t1) * scale
 
 
 def measure_routing(member: SignedStore, counting: CountingStore, size: int, generation: int, replaced: int) -> tuple[int, float]:

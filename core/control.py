@@ -221,8 +221,15 @@ class StoreAddress:
     """The job secret (``core/job_secret.py``); kept out of ``repr`` so it never reaches a log."""
 
     def connect(self, timeout: float = 300.0) -> SignedStore:
-        """A client connection (one per thread: clients are not thread-safe), sealing and opening every value."""
-        base = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        """A client connection (one per thread: clients are not thread-safe), sealing and opening every value.
+
+        Created under the socket-creation lock so a concurrent rebuild never mistakes
+        this socket for one of its gloo connections.
+        """
+        from .comms import socket_creation_lock
+
+        with socket_creation_lock:
+            base = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         return signed(base, self.secret, timedelta(seconds=timeout))
 
 

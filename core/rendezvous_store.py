@@ -1,16 +1,16 @@
 """The store a generation's gloo rendezvous waits on, which gives up when the generation is released.
 
-A gloo group on a lazy device (``comms``) waits for a peer's address record
-the first time one of its collectives uses that peer, from gloo's own thread,
-up to the connect timeout (``rebuild_timeout_s``, 120 s). A member that dies
-between the controller's ``go`` and its own address write leaves every member
-that needs it waiting there; the generation's end, which releases sockets and
-pending collectives, does not reach a wait inside gloo, and a stuck gloo thread
-keeps its transport from being let go. c10d calls a ``dist.Store`` written in
-Python through its trampoline, so this one waits in short slices and raises,
-naming the reason, as soon as ``released()`` says the generation is over: the
-connect fails, and so does the collective, like any collective of a dead
-generation.
+Building a generation's gloo group (``ProcessGroupGloo``'s constructor) blocks
+in store waits for every peer's address, up to the connect timeout
+(``rebuild_timeout_s``, 120 s). A member that dies between the controller's
+``go`` and its own address write leaves every other member waiting there; the
+generation's end, which releases sockets and pending collectives, does not
+reach a wait inside a constructor, and survivors would miss the controller's
+report deadline and be fenced. c10d calls a ``dist.Store`` written in Python
+through its trampoline, so this one waits in short slices and raises, naming
+the reason, as soon as ``released()`` says the generation is over: the
+constructor fails, the rebuild fails like any collective of a dead generation,
+and the member reports again.
 
 Waiting costs nothing on the normal path: a slice is a server-side wait that
 returns as soon as the key is written. Only a stuck rendezvous pays, with one
