@@ -6,17 +6,11 @@ from pathlib import Path
 
 from torchpass.core.critical_path import CriticalPathTimers, read_summaries
 
-
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import ManualClock
 
 
 def test_sections_are_averaged_over_the_periods_that_follow_each_other() -> None:
-    clock = _Clock()
+    clock = ManualClock()
     timers = CriticalPathTimers(clock)
     for step in (1, 2, 3):
         timers.step_started(0, step, clock.now)

@@ -15,20 +15,13 @@ import pytest
 from torchpass.core.control import Heartbeat, Keys, try_get
 from torchpass.core.liveness import BeatWatch, Heartbeater, StoreWatchdog
 
+from tests.support.clock import ManualClock
 from tests.support.harness import free_port
 from tests.support.secret import SECRET
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_an_unchanged_beat_ages_on_the_observers_clock_only() -> None:
-    clock = _Clock()
+    clock = ManualClock(100.0)
     watch = BeatWatch(clock)
     assert watch.age("n1", 7) == 0.0
     clock.now += 4.0
@@ -43,7 +36,7 @@ def test_an_unchanged_beat_ages_on_the_observers_clock_only() -> None:
 
 def test_old_beats_written_back_do_not_keep_a_silent_process_alive() -> None:
     """A stranger replaying genuine sealed beats (they open: same key, same secret) changes the value, not its age."""
-    clock = _Clock()
+    clock = ManualClock(100.0)
     watch = BeatWatch(clock)
     for seq in range(1, 6):
         watch.age("w", seq)

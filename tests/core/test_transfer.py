@@ -258,7 +258,8 @@ def test_corrupted_chunk_is_detected_and_resent(servers):
     assert_bitwise_equal(tensors, captured)
 
 
-def test_a_resent_chunk_travels_with_the_crc_computed_the_first_time(servers):
+def corrupt_first_chunk():
+    """A server's ``corrupt`` hook that flips a byte of the first chunk it sends, once."""
     once: list = []
 
     def corrupt(chunk, view):
@@ -267,6 +268,11 @@ def test_a_resent_chunk_travels_with_the_crc_computed_the_first_time(servers):
             return flip_first_byte(view)
         return None
 
+    return corrupt
+
+
+def test_a_resent_chunk_travels_with_the_crc_computed_the_first_time(servers):
+    corrupt = corrupt_first_chunk()
     captured = capture(make_state(), CLASSES, version=5)
     table = captured.checksums()
     server = servers(corrupt=corrupt)
@@ -278,14 +284,7 @@ def test_a_resent_chunk_travels_with_the_crc_computed_the_first_time(servers):
 
 
 def test_corruption_on_one_of_two_replicas_is_resent(servers):
-    once: list = []
-
-    def corrupt(chunk, view):
-        if not once:
-            once.append(chunk)
-            return flip_first_byte(view)
-        return None
-
+    corrupt = corrupt_first_chunk()
     a, captured = serve(servers, make_state(), corrupt=corrupt)
     b, _ = serve(servers, make_state())
     _, tensors, stats = fetch([a, b])
