@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -42,6 +41,7 @@ from .runner import run_strategy
 from .schedule import fault_schedule
 from .strategies import REPO
 from .workload import parameter_count, state_bytes
+from torchpass.core.free_port import free_port
 
 __all__ = ["main", "compare"]
 
@@ -84,11 +84,6 @@ def _job_size(cfg: BenchConfig) -> dict[str, int]:
     shards = {"ddp": 1, "hsdp": 2, "fsdp": cfg.world_size}[cfg.titan_layout]
     return {"params": params, "state_bytes": params * 12 // shards}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _figures(data: dict[str, Any]) -> RunFigures:
@@ -175,7 +170,7 @@ def compare(cfg: BenchConfig, command: str) -> dict[str, Any]:
             "loopback_fresh_GBps": tcp["fresh"],
             "ratio": fetch_gbps / tcp["touched"],
         }
-    results["control_plane"] = [control_plane_measure(size, _free_port()) for size in cfg.control_plane_sizes]
+    results["control_plane"] = [control_plane_measure(size, free_port()) for size in cfg.control_plane_sizes]
     return results
 
 

@@ -124,8 +124,8 @@ def _setup(results: dict[str, Any], framework: str) -> tuple[str, str, str]:
             f"vocab {w['vocab']}), in a DeepSpeed engine (ZeRO stage {cfg['zero_stage']}, AdamW) over {n} ranks with gloo, {shape}",
             "**baseline** `torchrun`, DeepSpeed's forward / `engine.backward` / `engine.step` loop, no faults; "
             f"{spares}, the config's `\"torchpass\": {{\"enabled\": true}}` block and `torchpass.adapters.deepspeed.steps`; "
-            "**checkpoint** `torchrun --max-restarts` with `engine.save_checkpoint` every K steps to local disk and, on every "
-            "(re)start, `engine.load_checkpoint` of DeepSpeed's `latest` tag.",
+            "**checkpoint** `torchrun --max-restarts` with `engine.save_checkpoint` every K steps to local disk, named "
+            "`latest` once every rank has written it, and, on every (re)start, `engine.load_checkpoint` of that tag.",
         )
     if framework == "torchtitan":
         return (

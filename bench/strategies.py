@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from torchpass.core.inject import inject
 
 from .config import BenchConfig
 from .workload import workload_json
+from torchpass.core.free_port import free_port
 
 __all__ = ["Strategy", "launch", "kill_rank", "REPO"]
 
@@ -73,11 +73,6 @@ class Strategy:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -165,7 +160,7 @@ def launch(name: str, cfg: BenchConfig, work: Path, faults: int) -> Strategy:
     torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     w = str(cfg.world_size)
     if name == "torchft":
-        port = _free_port()
+        port = free_port()
         lighthouse = [
             "torchft_lighthouse", "--min_replicas", "1", "--quorum_tick_ms", str(cfg.lighthouse_tick_ms),
             "--join_timeout_ms", str(cfg.lighthouse_join_timeout_ms), "--bind", f"[::]:{port}",

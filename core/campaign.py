@@ -61,6 +61,7 @@ from typing import Any, Callable
 from .inject import inject
 from .job_secret import SECRET_ENV, for_operator
 from .status import read_workers
+from .free_port import free_port
 
 __all__ = ["CampaignConfig", "KINDS", "FaultRun", "absolute_paths", "run_campaign", "format_summary", "load_campaign"]
 
@@ -165,7 +166,7 @@ class _Job:
         # checkpoints) must not find the files of the run before it.
         cwd = run_dir.parent / f"{run_dir.name}.cwd"
         cwd.mkdir()
-        port = _free_port()
+        port = free_port()
         self.procs: list[subprocess.Popen] = []
         env = dict(os.environ)
         if nodes > 1 and SECRET_ENV not in env and "--secret-file" not in launch_args:
@@ -262,14 +263,6 @@ def _signal(pid: int, sig: signal.Signals) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass  # gone already
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inject(job: _Job, run: FaultRun, config: CampaignConfig, rng: random.Random, world: int) -> None:

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -32,6 +31,7 @@ from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merg
 from .control import Keys, Mailbox, Report, signed
 from .controller import Controller, JobSpec
 from .liveness import STORE_LOST_EXIT
+from .free_port import free_port
 
 __all__ = ["add_launch_arguments", "launch", "LaunchError"]
 
@@ -118,11 +118,6 @@ def _nnodes(value: str) -> int:
     return _int_or(lo, "--nnodes", 1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _rdzv_conf(text: str) -> dict[str, str]:
     out = {}
@@ -184,7 +179,7 @@ def _launch(args: argparse.Namespace) -> int:
             raise LaunchError(f"training script {args.training_script!r} not found")
         target = [str(Path(args.training_script).resolve()), *script_args]
     if args.standalone:
-        host, port = "127.0.0.1", _free_port()
+        host, port = "127.0.0.1", free_port()
     elif args.rdzv_endpoint:
         host, _, port_s = args.rdzv_endpoint.rpartition(":")
         if not host or not port_s.isdigit():

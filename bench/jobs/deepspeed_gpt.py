@@ -19,6 +19,7 @@ import time
 T_START = time.time()  # before the heavy imports: a restart's cost includes them
 
 import argparse
+import os
 from pathlib import Path
 
 import deepspeed
@@ -86,9 +87,24 @@ def main() -> None:
         log.step(step, time.perf_counter() - t0, samples=samples)
         if root is not None and step % args.checkpoint_every == 0 and step < cfg.steps:
             t1 = time.perf_counter()
-            engine.save_checkpoint(str(root), tag=f"step_{step:06d}")
+            save_committed(engine, root, f"step_{step:06d}")
             log.event("saved", step=step, seconds=time.perf_counter() - t1)
     dist.destroy_process_group()
+
+
+def save_committed(engine, root: Path, tag: str) -> None:
+    """``engine.save_checkpoint``, then name it ``latest`` once every rank has written its part.
+
+    DeepSpeed 0.19.8's rank 0 writes ``latest`` as soon as its own files are written, before the barrier that
+    ends the save: a rank killed during the save then leaves a ``latest`` whose shards are missing and the
+    restart fails to load. Committing after the barrier, by an atomic rename, is what a careful user does and
+    the fair baseline: a kill mid-save restarts from the previous checkpoint."""
+    engine.save_checkpoint(str(root), tag=tag, save_latest=False)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        staged = root / "latest.tmp"
+        staged.write_text(tag)
+        os.replace(staged, root / "latest")
 
 
 if __name__ == "__main__":

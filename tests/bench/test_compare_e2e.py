@@ -41,8 +41,8 @@ def test_quick_comparison_smallest(tmp_path: Path) -> None:
 def test_framework_mode_smallest(tmp_path: Path, framework: str) -> None:
     """torchpass and the framework's own checkpoint restart, one fault each, on the smallest job.
 
-    The fault (step 3) falls between checkpoints (steps 2 and 4): DeepSpeed 0.19.8 names a checkpoint
-    ``latest`` before every rank has written it, so a kill during a save can leave nothing to restart from."""
+    The fault is due after step 3, between the checkpoints of steps 2 and 4; on a loaded runner it can land in
+    the save of step 4, which the DeepSpeed job commits only once every rank has written it (``save_committed``)."""
     overrides = [
         "workload.steps=6", "schedule.checkpoint_every=2", "schedule.min_gap_k=1.5", "schedule.max_gap_k=1.5",
         "schedule.tail_steps=2", "strategies=[torchpass,checkpoint]", "docs=false", f"out={tmp_path}",

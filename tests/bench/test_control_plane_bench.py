@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 from datetime import timedelta
 
@@ -10,16 +9,12 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from bench.control_plane import gloo_record_bytes, markdown, measure, rendezvous_key
+from torchpass.core.free_port import free_port
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_one_migration_at_64_ranks() -> None:
-    row = measure(64, _free_port())
+    row = measure(64, free_port())
     assert row["ranks"] == 64
     assert row["plan_bytes"] > 0
     assert 0 < row["controller_critical_s"] <= row["detect_s"] + row["plan_s"] + row["go_s"]

@@ -18,6 +18,7 @@ from torchpass.core.buddy import BuddyKeeper, GateReleased
 from torchpass.core.manifest import capture
 
 from tests.support.secret import SECRET
+from torchpass.core.free_port import free_port
 
 
 def _keeper(timeout: float = 3600.0) -> BuddyKeeper:
@@ -31,11 +32,6 @@ def _state(version: int):
     classes = {"optimizer": "optimizer"}
     return capture({"optimizer": {"m": torch.arange(8.0)}}, classes, version, meta={"classes": classes})
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -70,7 +66,7 @@ def _wait_in_thread(keeper: BuddyKeeper) -> tuple[threading.Thread, list[BaseExc
 
 def test_a_failed_push_gives_the_gate_up_instead_of_opening_it() -> None:
     keeper = _keeper()
-    keeper.start(_state(3), ("127.0.0.1", _free_port()))  # nothing listens: the buddy is gone
+    keeper.start(_state(3), ("127.0.0.1", free_port()))  # nothing listens: the buddy is gone
     with pytest.raises(GateReleased, match="buddy copy of step 3 could not be delivered"):
         keeper.wait_pushed()
 
@@ -109,7 +105,7 @@ def test_a_new_push_supersedes_the_failure_of_the_one_before(silent_holder: tupl
     server = StateServer(secret=SECRET, host="127.0.0.1", hold_into=holder.hold_into, on_held=holder.on_held)
     try:
         keeper = _keeper()
-        keeper.start(_state(4), ("127.0.0.1", _free_port()))  # the old buddy is dead
+        keeper.start(_state(4), ("127.0.0.1", free_port()))  # the old buddy is dead
         with pytest.raises(GateReleased):
             keeper.wait_pushed()
         keeper.start(_state(4), server.address)  # re-paired after the migration

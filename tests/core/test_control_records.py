@@ -8,7 +8,6 @@ report whose content makes no sense.
 from __future__ import annotations
 
 import json
-import socket
 from datetime import timedelta
 from pathlib import Path
 
@@ -17,12 +16,11 @@ import torch.distributed as dist
 from torchpass.core.config import TorchPassConfig
 from torchpass.core.control import Keys, Mailbox, Report
 from torchpass.core.controller import Controller, JobSpec
+from torchpass.core.free_port import free_port
 
 
 def _store() -> dist.TCPStore:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 

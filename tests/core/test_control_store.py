@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import socket
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -11,12 +10,11 @@ import torch.distributed as dist
 from torchpass.core.control import STORE_BATCH, Heartbeat, Keys, _to_json, check_all, gather, multi_get, put_object
 from torchpass.core.controller import _StoreMirrors
 from torchpass.core.rng import capture_rng, rng_digest
+from torchpass.core.free_port import free_port
 
 
 def _store() -> dist.TCPStore:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 

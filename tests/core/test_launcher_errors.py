@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from torchpass.core import cli, launcher
+from torchpass.core.free_port import free_port
 
 RUN_FILES = ("events.jsonl", "workers.json", "summary.json")
 
@@ -57,11 +58,6 @@ def assert_nothing_written(run_dir: Path) -> None:
         assert not (run_dir / name).exists(), name
     assert not (run_dir / "logs").exists()
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import secrets
-import socket
 from datetime import timedelta
 
 import numpy as np
@@ -14,13 +13,12 @@ import torch.distributed as dist
 from torchpass.core.control import Keys, StoreAddress, read_mirror
 from torchpass.core.mirror import SmallStateMirror, identical
 from torchpass.core.rng import capture_rng
+from torchpass.core.free_port import free_port
 
 
 @pytest.fixture
 def address() -> StoreAddress:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     yield StoreAddress("127.0.0.1", port, secrets.token_bytes(32))
     del server

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -14,19 +13,15 @@ from torchpass.core.control import Keys, Mailbox, Plan, Report, get, put, signed
 from torchpass.core.signed_store import SignedStore, seal
 
 from tests.support.secret import SECRET
+from torchpass.core.free_port import free_port
 
 OTHER = b"somebody-elses-secret-0000000"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture
 def server() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", _free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    return dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
 
 
 def _client(server: dist.TCPStore, secret: bytes = SECRET) -> SignedStore:

@@ -11,7 +11,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 from torchpass.core.inject import inject as inject_fault
+from torchpass.core.free_port import free_port
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -28,11 +28,6 @@ V = TypeVar("V")
 REPO = Path(__file__).resolve().parents[2]
 JOBS = Path(__file__).resolve().parent
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fault_rng(name: str) -> random.Random:
