@@ -62,6 +62,16 @@ _STOP = None
 _Waits = queue.SimpleQueue  # of (gloo work, trigger future) pairs, or _STOP
 
 
+def _without_frames(exc: Exception) -> Exception:
+    """gloo's error with no Python traceback, to be stored in the future it fails.
+
+    Its traceback holds the frame that caught it, whose locals hold that very future and the transport's
+    gloo works: a reference cycle that only the cyclic collector frees, and until it runs, the released
+    group's gloo device (its sockets, its loop thread) stays alive. The error is raised in C++; its message
+    is all it carries."""
+    return exc.with_traceback(None)
+
+
 def _outcome(trigger: torch.futures.Future) -> Any:
     """The collective's value, or its error raised (see ``PendingWork.future_of``)."""
     ok, payload = trigger.value()
@@ -242,7 +252,7 @@ class PendingWork:
         try:
             value = done.value()
         except Exception as exc:  # gloo's error is the collective's outcome: hand it to the waiter
-            self._settle(trigger, False, exc)
+            self._settle(trigger, False, _without_frames(exc))
             return
         self._settle(trigger, True, value)
 
@@ -262,7 +272,7 @@ class PendingWork:
             try:
                 work.wait()
             except Exception as exc:  # the collective's outcome, handed to whoever waits on it
-                self._settle(trigger, False, exc)
+                self._settle(trigger, False, _without_frames(exc))
                 continue
             # gloo's work had no future and implements no result(): there is no value to pass on.
             self._settle(trigger, True, [])

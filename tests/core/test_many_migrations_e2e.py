@@ -37,6 +37,18 @@ def _resources(pid: int) -> tuple[int, int, int]:
     return len(os.listdir(f"/proc/{pid}/fd")), int(status["Threads"]), int(status["VmRSS"].split()[0]) // 1024
 
 
+def _describe(pid: int) -> str:
+    """Thread names and open files of a process: what a failed flatness check held."""
+    threads = sorted(Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip() for tid in os.listdir(f"/proc/{pid}/task"))
+    fds = []
+    for fd in sorted(os.listdir(f"/proc/{pid}/fd"), key=int):
+        try:
+            fds.append(f"{fd}->{os.readlink(f'/proc/{pid}/fd/{fd}')}")
+        except FileNotFoundError:
+            continue  # closed while listed
+    return f"threads {threads}; fds {fds}"
+
+
 def test_fifty_migrations_leave_fds_threads_and_rss_flat(tmp_path: Path) -> None:
     # Enough steps after the last migration for gloo's timeout to end what the releases caught mid-message.
     steps = ["--steps", str(3 * MIGRATIONS + 400), "--workdir", ".", "--pg-timeout-s", str(PG_TIMEOUT_S)]
@@ -63,6 +75,7 @@ def test_fifty_migrations_leave_fds_threads_and_rss_flat(tmp_path: Path) -> None
     deadline = time.time() + PG_TIMEOUT_S + 3 * _Graveyard.SWEEP_INTERVAL_S + 5
     while ((now := _resources(pid))[0] > settled[0] or now[1] > settled[1]) and time.time() < deadline:
         time.sleep(0.2)
+    held = _describe(pid)
     assert run.wait() == 0, run.explain()
     # Fifty re-executed steps later, still the fault-free run's state, losses and processes.
     results = run.results()
@@ -73,5 +86,5 @@ def test_fifty_migrations_leave_fds_threads_and_rss_flat(tmp_path: Path) -> None
     migrations = [m for m in run.migrations() if m["outcome"] == "success"]
     assert len(migrations) == MIGRATIONS, [m["outcome"] for m in run.migrations()]
     fds, threads, rss = now
-    assert fds <= settled[0] and threads <= settled[1], f"{PG_TIMEOUT_S} s after {MIGRATIONS} migrations: {now} vs {settled} steady"
+    assert fds <= settled[0] and threads <= settled[1], f"{PG_TIMEOUT_S} s after {MIGRATIONS} migrations: {now} vs {settled} steady; {held}"
     assert rss - settled[2] < 32, f"RSS grew from {settled[2]} MB to {rss} MB"
