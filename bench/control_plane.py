@@ -313,7 +313,7 @@ def measure(size: int, port: int) -> dict[str, Any]:
     # Simulated ranks do not heartbeat on their own: keep every liveness timeout out of the way.
     config = TorchPassConfig(report_timeout_s=600.0, hang_timeout_s=3600.0, heartbeat_timeout_s=3600.0)
     with tempfile.TemporaryDirectory(prefix="torchpass-cp-") as run_dir:
-        controller = Controller(counting, spec, Path(run_dir), config, lambda msg: None, lambda wid, node: None, f"127.0.0.1:{port}")
+        controller = Controller(counting, spec, Path(run_dir), config, lambda msg: None, lambda node, order: None, f"127.0.0.1:{port}")
         job.start(config)
         _drive(controller, counting, lambda: len(controller.attached) == size)
 

@@ -16,7 +16,7 @@ Each ``tick``:
   is seen by the local poll at once, a hang only after the timeout anyway, and
   reading every worker's key every tick would be 40 store round trips a second
   per worker for nothing;
-* executes the controller's fence orders from the node mailbox;
+* executes the controller's orders from the node mailbox: fence a worker, retire a spare;
 * refreshes the node's own heartbeat (a counter, ``core/liveness.py``), by which
   the controller notices a whole node disappearing, and looks for the
   controller's verdict that this node is lost: a node declared lost (its agent
@@ -213,6 +213,8 @@ class Agent:
         for order in self.mail.drain(dict, on_bad=self._on_bad_order):
             if order.get("fence") in self.workers:
                 self.fence(order["fence"], order.get("why", "fenced by the controller"))
+            elif order.get("retire") in self.workers:
+                self.retire(order["retire"], order.get("why", "retired by the controller"))
         scan = now - self._last_heartbeat_scan >= self.config.heartbeat_interval_s / 2
         if scan:
             self._last_heartbeat_scan = now
@@ -250,6 +252,17 @@ class Agent:
             os.killpg(w.handler.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass  # it died on its own meanwhile; the reaper reports it
+
+    def retire(self, wid: str, why: str) -> None:
+        """End a spare the controller took out of its pool (its node is draining): it holds no state, so no dump."""
+        w = self.workers.get(wid)
+        if w is None or w.fenced_for:
+            return
+        w.fenced_for = why
+        try:
+            os.killpg(w.handler.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # gone already; the reaper reports it
 
     def _reap(self, w: _Worker, code: int) -> None:
         del self.workers[w.wid]

@@ -26,6 +26,8 @@ from .checksum import CHUNK_BYTES
 __all__ = [
     "ChaosConfig",
     "ConfigError",
+    "MetricsConfig",
+    "SignalsConfig",
     "TelemetryConfig",
     "TorchPassConfig",
     "load_preset",
@@ -76,6 +78,42 @@ class TelemetryConfig:
     data position and buffers) to ``<run_dir>/final/rank<r>.json`` as it finishes, so two
     runs can be compared bit for bit (``torchpass chaos`` does). Off by default: it costs one
     state capture and a pass over its bytes at exit."""
+
+
+SLURM_MODES = ("auto", "required", "disabled")
+"""Words, not on/off: YAML reads an unquoted ``on`` or ``off`` as a boolean."""
+
+
+@dataclass
+class SignalsConfig:
+    """Schedulers' early notice that a node goes away, turned into planned migrations (``core/node_signals.py``)."""
+
+    slurm: str = field(default="auto", metadata={"choices": SLURM_MODES})
+    """Watch this node's Slurm state (DRAIN, FAIL, maintenance). ``auto``: when the launcher runs inside a Slurm
+    job (``SLURM_JOB_ID`` set) and Slurm's client commands are on PATH, so Slurm users get it without asking;
+    ``required``: always, and the launch fails if Slurm's commands are missing; ``disabled``: never."""
+
+    poll_interval_s: float = field(default=5.0, metadata={"check": (_positive, "a number > 0")})
+    """Seconds between two looks at the scheduler, per node. A drain gives minutes of notice and a migration
+    takes seconds, so 5 s loses nothing; it costs slurmctld one RPC per node per interval (200/s at 1,000 nodes,
+    well within what slurmctld serves)."""
+
+    maint_lead_s: float = field(default=900.0, metadata={"check": (_non_negative, "a number >= 0")})
+    """A maintenance reservation on this node that starts within this many seconds drains it now. 15 minutes
+    covers a migration of any size with a wide margin and keeps the node in use until shortly before."""
+
+
+@dataclass
+class MetricsConfig:
+    """The Prometheus endpoint node 0's launcher serves (``core/metrics.py``)."""
+
+    port: int = field(default=0, metadata={"check": (lambda v: 0 <= v <= 65535, "a port 1-65535, or 0 for off")})
+    """Port of the ``/metrics`` endpoint; 0 (the default) serves none: opening a port is the operator's call.
+    9400 is free of the well-known exporters' ports."""
+
+    host: str = "0.0.0.0"
+    """Address the endpoint listens on. Every interface, as exporters do, since Prometheus scrapes from
+    another host; the figures carry no secret, but keep the port to the monitoring network."""
 
 
 CHAOS_POINTS = ("attach", "step_start", "last_forward", "backward", "commit", "after_commit")
@@ -202,6 +240,13 @@ class TorchPassConfig:
 
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
     """Optional records beyond the ledger."""
+
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """The job's Prometheus endpoint, served by node 0's launcher (read by ``torchpass launch``)."""
+
+    signals: SignalsConfig = field(default_factory=SignalsConfig)
+    """Schedulers' early signals that start planned migrations. Read by ``torchpass launch`` (``--config``,
+    ``--set signals.*``) before the script starts, like ``spares_per_node``."""
 
     chaos: ChaosConfig = field(default_factory=ChaosConfig)
     """Deterministic fault injection for testing (off by default)."""

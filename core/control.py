@@ -259,7 +259,7 @@ class WorkerRecord:
     node: int
     pid: int
     role: str
-    """``active``, ``spare``, ``retired`` (handed its rank over), ``lost`` or ``finished``."""
+    """``active``, ``spare``, ``retired`` (handed its rank over, or a spare of a draining node), ``lost`` or ``finished``."""
     rank: int | None = None
     generation: int = 0
     transfer_addr: list[Any] | None = None

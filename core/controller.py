@@ -62,7 +62,7 @@ from .control import (
 )
 from .rng import rng_digest
 from .safe_pickle import ForbiddenObject
-from .ledger import DISQUALIFYING, QUALIFYING, JobEvent, Ledger, MigrationEvent
+from .ledger import DISQUALIFYING, PLANNED, QUALIFYING, JobEvent, Ledger, MigrationEvent
 from .signed_store import FORGED
 from .liveness import BeatWatch
 from .planner import Disqualified, MirrorInfo, PlanInput, SpareInfo, plan_migration
@@ -100,6 +100,8 @@ class _Migration:
     t_plan: float = 0.0
     t_go: float = 0.0
     message: str = ""
+    trigger: dict[str, Any] = field(default_factory=dict)
+    """For a planned migration: what asked for it (a scheduler's signal and its reason), for the ledger."""
     attempts: int = 1
     members: dict[int, str] = field(default_factory=dict)
     """Rank -> worker of the generation being planned (the old members plus the plan's joins)."""
@@ -112,6 +114,10 @@ class _Migration:
     fenced: dict[int, str] = field(default_factory=dict)
     """Rank -> why the controller fenced it during this migration although the fault was another rank's."""
 
+    def is_planned(self) -> bool:
+        """Asked for (a drain, a scheduler's signal), not caused by a failure."""
+        return self.cause == PLANNED or bool(self.trigger)
+
 
 class Controller:
     """See the module docstring; ``tick()`` advances it, ``outcome`` is set when the job is over."""
@@ -123,7 +129,7 @@ class Controller:
         run_dir: Path,
         config: TorchPassConfig,
         say: Callable[[str], None],
-        fence: Callable[[str, int], None],
+        order: Callable[[int, dict[str, Any]], None],
         store_address: str,
     ):
         self.store = store
@@ -132,7 +138,8 @@ class Controller:
         self.run_dir = run_dir
         self.config = config
         self.say = say
-        self._fence_cb = fence
+        self._order = order
+        """Posts an order (``fence`` or ``retire`` a worker) to a node's agent."""
         self.ledger = Ledger(run_dir)
         self.forged_records = 0
         """Mailbox records that did not open under the job secret (see ``_on_bad_record``)."""
@@ -157,6 +164,8 @@ class Controller:
         self.lost_after_training: set[int] = set()
         """Ranks lost after other ranks had finished training: nothing is left to migrate them for."""
         self._last_progress_scan = 0.0
+        self.node_heartbeat_ages: dict[int, float] = {}
+        """Node -> seconds its agent had not beaten at the last scan (node 0's agent is this process)."""
         self._last_node_scan = 0.0
         self._beats = BeatWatch()
         """Ages of agents' and workers' heartbeats on this process's clock (never another host's)."""
@@ -328,8 +337,13 @@ class Controller:
         if report.kind == "node_drain":
             ranks = {r for r, w in self.members.items() if self.node_of.get(w) == report.node}
             for w in [w for w, n in self.spares.items() if n == report.node]:
-                del self.spares[w]  # the node's spares leave with it
-            what = f"node {report.node} is draining ({report.detail.get('signal', 'request')})"
+                # The node's spares leave with it, first: no rank may move onto a node that is going away.
+                del self.spares[w]
+                self._set_role(w, "retired")
+                self._order(report.node, {"retire": w, "why": f"retired: node {report.node} is draining"})
+            signal_name = report.detail.get("signal", "request")
+            reason = report.detail.get("reason")
+            what = f"node {report.node} is draining ({signal_name}{': ' + reason if reason else ''})"
         else:
             ranks = {report.rank} if report.rank is not None else set()
             what = f"rank {report.rank} asked to migrate ({report.detail.get('signal', 'operator')})"
@@ -345,7 +359,9 @@ class Controller:
                 self._deferred_drains[rank] = (self.members.get(rank, ""), what)
             self.say(f"{what} during the migration to generation {m.generation}: it follows once that one ends")
             return
-        self.migration_start("planned", QUALIFYING, set(), ranks, what, report.t)
+        cause = str(report.detail.get("cause", PLANNED))
+        trigger = {k: report.detail[k] for k in ("signal", "reason", "trigger") if k in report.detail}
+        self.migration_start(cause, QUALIFYING, set(), ranks, what, report.t, trigger)
 
     def _take_deferred_drains(self) -> tuple[set[int], str]:
         """Ranks whose deferred drain still applies (the same process holds the rank), and what asked for it."""
@@ -381,7 +397,8 @@ class Controller:
         if now - self._last_node_scan < self.config.heartbeat_interval_s:
             return
         self._last_node_scan = now
-        for node, age in self._node_heartbeats([n for n in range(1, self.spec.nnodes) if n not in self.nodes_lost]).items():
+        self.node_heartbeat_ages = self._node_heartbeats([n for n in range(1, self.spec.nnodes) if n not in self.nodes_lost])
+        for node, age in self.node_heartbeat_ages.items():
             if age <= self.config.heartbeat_timeout_s:
                 continue
             self.nodes_lost.add(node)
@@ -464,7 +481,16 @@ class Controller:
             return
         self.migration_start(cause, QUALIFYING, ranks, set(), message, t_fault)
 
-    def migration_start(self, cause: str, classification: str, failed: set[int], draining: set[int], message: str, t_fault: float) -> None:
+    def migration_start(
+        self,
+        cause: str,
+        classification: str,
+        failed: set[int],
+        draining: set[int],
+        message: str,
+        t_fault: float,
+        trigger: dict[str, Any] | None = None,
+    ) -> None:
         now = time.time()
         draining = set(draining) | self._take_deferred_drains()[0]
         self.store.compare_set(Keys.end(self.generation), "", message[:500])
@@ -478,6 +504,7 @@ class Controller:
             draining=set(draining),
             deadline=now + self.config.report_timeout_s,
             message=message,
+            trigger=dict(trigger or {}),
             # Right after the failure nobody has reported yet: the first look for silent members (a read of every
             # member's heartbeat) waits its interval instead of delaying the plan in large jobs.
             last_scan=now,
@@ -565,7 +592,7 @@ class Controller:
                 m.fenced[rank] = f"{wid} {why}"
         self.lost_wids.add(wid)
         self._set_role(wid, "lost")
-        self._fence_cb(wid, self.node_of.get(wid, -1))
+        self._order(self.node_of.get(wid, -1), {"fence": wid, "why": "fenced by the controller"})
 
     def _plan(self, m: _Migration, statuses: dict[int, Status]) -> None:
         if self.layout is None:
@@ -588,7 +615,7 @@ class Controller:
         result = plan_migration(inp)
         if isinstance(result, Disqualified) and result.reason == "no_spare" and self._await_starting_spares(m, result.message):
             return
-        if isinstance(result, Disqualified) and result.reason == "no_spare" and m.cause == "planned" and not m.failed:
+        if isinstance(result, Disqualified) and result.reason == "no_spare" and m.is_planned() and not m.failed:
             # Nobody failed: without a spare the drain cannot be honoured, but training can go on.
             self.say(f"cannot honour the drain ({result.message}); training continues on the same processes")
             self.ledger.append(JobEvent("drain_refused", result.message, {"ranks": sorted(m.draining)}))
@@ -770,7 +797,7 @@ class Controller:
         self.migration = None
         ranks, what = self._take_deferred_drains()
         if ranks and follow_up:
-            self.migration_start("planned", QUALIFYING, set(), ranks, what, time.time())
+            self.migration_start(PLANNED, QUALIFYING, set(), ranks, what, time.time())
 
     def _ledger_migration(
         self, m: _Migration, outcome: str, classification: str, message: str, done: dict[int, dict[str, Any]] | None = None
@@ -814,6 +841,7 @@ class Controller:
             timings={k: round(v, 4) for k, v in timings.items()},
             message=message,
             fenced={str(r): why for r, why in sorted(m.fenced.items())},
+            trigger=m.trigger,
         )
         self.ledger.append(event)
         if outcome == "success":

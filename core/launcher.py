@@ -27,6 +27,9 @@ import torch.distributed as dist
 
 from . import job_secret
 from .agent import Agent, NodeSpec
+from .metrics import JobMetrics
+from .node_signals import NodeSignalSource, NodeSignalWatcher
+from .slurm import SlurmDrainSource, slurm_available, slurm_node_name, slurm_placement
 from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario
 from .control import Keys, Mailbox, Report, signed
 from .controller import Controller, JobSpec
@@ -42,10 +45,10 @@ class LaunchError(Exception):
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("torchrun-compatible options")
-    g.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX with MIN == MAX")
+    g.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX with MIN == MAX (default: srun's step, else 1)")
     g.add_argument("--nproc-per-node", "--nproc_per_node", default="1", help="active workers per node: an integer, 'cpu' or 'auto'")
-    g.add_argument("--node-rank", "--node_rank", type=int, default=0, help="this node's rank; node 0 hosts the store")
-    g.add_argument("--master-addr", "--master_addr", default="127.0.0.1", help="address of node 0")
+    g.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's rank; node 0 hosts the store (default: srun's, else 0)")
+    g.add_argument("--master-addr", "--master_addr", default=None, help="address of node 0 (default: srun's first node, else 127.0.0.1)")
     g.add_argument("--master-port", "--master_port", type=int, default=29500, help="port of the store on node 0")
     g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default="", help="HOST:PORT of the store (overrides --master-*)")
     g.add_argument("--rdzv-backend", "--rdzv_backend", default="static", choices=("static", "c10d"))
@@ -156,8 +159,44 @@ def launch(args: argparse.Namespace) -> int:
         return 2
 
 
+def _placement_from_slurm(args: argparse.Namespace) -> None:
+    """Fill the placement flags not given from the ``srun`` step this runs in, if any (see ``core/slurm.py``)."""
+    given = {"--nnodes": args.nnodes, "--node-rank": args.node_rank, "--master-addr": args.master_addr}
+    if all(v is not None for v in given.values()):
+        return
+    try:
+        placement = slurm_placement()
+    except (RuntimeError, OSError, ValueError, KeyError, IndexError) as exc:
+        raise LaunchError(f"cannot read the placement of this srun step ({exc}); pass --nnodes, --node-rank and --master-addr") from None
+    if placement is not None:
+        args.nnodes = str(placement.nnodes) if args.nnodes is None else args.nnodes
+        args.node_rank = placement.node_rank if args.node_rank is None else args.node_rank
+        args.master_addr = placement.master_addr if args.master_addr is None else args.master_addr
+        print(
+            f"torchpass launch: from the srun step: --nnodes {args.nnodes} --node-rank {args.node_rank} --master-addr {args.master_addr}",
+            flush=True,
+        )
+    args.nnodes = "1" if args.nnodes is None else args.nnodes
+    args.node_rank = 0 if args.node_rank is None else args.node_rank
+    args.master_addr = "127.0.0.1" if args.master_addr is None else args.master_addr
+
+
+def _signal_sources(config: TorchPassConfig) -> list[NodeSignalSource]:
+    """The schedulers this node's agent watches (``signals.*``)."""
+    mode = config.signals.slurm
+    if mode == "disabled" or (mode == "auto" and not ("SLURM_JOB_ID" in os.environ and slurm_available())):
+        return []
+    if not slurm_available():
+        raise LaunchError(
+            "signals.slurm: got 'required', but Slurm's sinfo and scontrol are not on PATH; set it to 'auto' or 'disabled'"
+        )
+    return [SlurmDrainSource(slurm_node_name(), config.signals.maint_lead_s)]
+
+
 def _launch(args: argparse.Namespace) -> int:
     config = _config(args)
+    _placement_from_slurm(args)
+    sources = _signal_sources(config)
     nnodes = _nnodes(args.nnodes)
     nproc = _int_or(str(args.nproc_per_node), "--nproc-per-node", os.cpu_count() or 1)
     spares = config.spares_per_node if args.spares_per_node is None else args.spares_per_node
@@ -213,6 +252,15 @@ def _launch(args: argparse.Namespace) -> int:
             "give every node the same --secret-file or TORCHPASS_SECRET"
         )
 
+    metrics = None
+    if args.node_rank == 0 and config.metrics.port:
+        metrics = JobMetrics()
+        try:
+            metrics.serve(config.metrics.host, config.metrics.port)
+        except OSError as exc:
+            raise LaunchError(
+                f"metrics.port: cannot serve metrics on {config.metrics.host}:{config.metrics.port}: {exc}; choose a free port, or 0 for none"
+            ) from None
     if args.node_rank == 0:
         _prepare_run_dir(run_dir)
     if secret_from == job_secret.GENERATED:
@@ -229,9 +277,13 @@ def _launch(args: argparse.Namespace) -> int:
         job = JobSpec(nnodes * nproc, nnodes, nproc, spares, run_id, [sys.executable, *target])
         mail = {n: Mailbox(store, Keys.node_mail(n)) for n in range(nnodes)}
         controller = Controller(
-            store, job, run_dir, config, say, lambda wid, node: mail[node].post({"fence": wid}) if node in mail else None, f"{host}:{port}"
+            store, job, run_dir, config, say, lambda node, order: mail[node].post(order) if node in mail else None, f"{host}:{port}"
         )
+    if controller is not None and metrics is not None:
+        controller.ledger.listeners.append(metrics.on_event)
+        say(f"metrics for Prometheus at http://{config.metrics.host}:{config.metrics.port}/metrics")
     agent = Agent(spec, store, config, say, secret)
+    watcher = NodeSignalWatcher(sources, config.signals.poll_interval_s, say)
     stop = {"signals": 0}
 
     def on_signal(signum: int, frame: Any) -> None:
@@ -243,6 +295,7 @@ def _launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     say(f"starting {nproc} worker(s) and {spares} spare(s) on node {args.node_rank} of {nnodes}; run dir {run_dir}; job secret: {secret_from}")
     agent.start()
+    watcher.start()
     events = Mailbox(store, Keys.events)
     draining = False
     last_config_check = 0.0
@@ -250,6 +303,8 @@ def _launch(args: argparse.Namespace) -> int:
         if controller is not None:
             agent.tick()
             controller.tick()
+            if metrics is not None:
+                metrics.refresh(controller)
             if controller.outcome is not None:
                 break
         else:
@@ -260,6 +315,12 @@ def _launch(args: argparse.Namespace) -> int:
             except dist.DistError as exc:
                 # Node 0's store went away (a stopped or unreachable one is the agent's watchdog's case).
                 agent.abandon(f"lost the store at {host}:{port}: {exc}", STORE_LOST_EXIT)
+        for source, found in watcher.take():
+            if not draining:
+                draining = True
+                say(f"{source}: {found.reason}: draining this node's ranks to spares elsewhere")
+                detail = {"signal": found.cause, "cause": found.cause, "reason": found.reason, "trigger": found.detail}
+                events.post(Report("node_drain", node=args.node_rank, detail=detail))
         if stop["signals"] == 1 and stop.get("last") == signal.SIGTERM and not draining:
             draining = True
             say("SIGTERM: draining this node's ranks to spares elsewhere (a second signal stops the job)")
@@ -284,6 +345,7 @@ def _launch(args: argparse.Namespace) -> int:
     else:
         outcome = json.loads(store.get(Keys.outcome)) if store.check([Keys.outcome]) else {"code": 1, "message": "node 0 went away"}
         code, message = int(outcome["code"]), str(outcome["message"])
+    watcher.stop()
     deadline = time.time() + 30
     while agent.alive() and time.time() < deadline:
         agent.tick()

@@ -21,10 +21,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
-__all__ = ["MigrationEvent", "JobEvent", "Ledger", "read_ledger", "QUALIFYING", "DISQUALIFYING"]
+__all__ = ["PLANNED", "MigrationEvent", "JobEvent", "Ledger", "read_ledger", "QUALIFYING", "DISQUALIFYING"]
 
+PLANNED = "planned"
+"""The cause of a migration asked for without a scheduler signal (SIGTERM, ``torchpass migrate``)."""
 QUALIFYING = "qualifying"
 DISQUALIFYING = "disqualifying"
 
@@ -35,8 +37,10 @@ class MigrationEvent:
 
     generation: int
     cause: str
-    """``kill`` (process exit or signal), ``hang``, ``planned``, ``node`` (a node lost), ``comm`` (a collective
-    failed and no process was lost) or ``progress`` (no step finished within the hang timeout)."""
+    """``kill`` (process exit or signal), ``hang``, ``node`` (a node lost), ``comm`` (a collective failed and no
+    process was lost), ``progress`` (no step finished within the hang timeout); planned: ``planned`` (SIGTERM,
+    ``torchpass migrate``) or the scheduler signal that asked for it (``slurm-drain``, ``slurm-fail``,
+    ``slurm-maint``, see ``core/slurm.py``)."""
     classification: str
     outcome: str
     """``success``, ``superseded`` (a further fault interrupted it; the next attempt continues) or ``failed``."""
@@ -57,6 +61,8 @@ class MigrationEvent:
     """Rank -> why the controller fenced it during the migration although the fault was another rank's (a
     survivor that went silent or was not ready in time). Such a migration cost the job more than the failed
     process, so ``torchpass report`` lists it apart from clean ones."""
+    trigger: dict[str, Any] = field(default_factory=dict)
+    """A planned migration's request: ``signal``, the scheduler's ``reason`` and what it read (``trigger``)."""
     t: float = field(default_factory=time.time)
     type: str = "migration"
 
@@ -77,6 +83,8 @@ class Ledger:
     def __init__(self, run_dir: str | os.PathLike[str]):
         self.path = Path(run_dir) / "events.jsonl"
         self._lock = threading.Lock()
+        self.listeners: list[Callable[[MigrationEvent | JobEvent], None]] = []
+        """Called with each event once it is on disk (the live metrics, ``core/metrics.py``)."""
 
     def append(self, event: MigrationEvent | JobEvent) -> None:
         line = json.dumps(dataclasses.asdict(event), sort_keys=True)
@@ -84,6 +92,8 @@ class Ledger:
             f.write(line + "\n")
             f.flush()
             os.fsync(f.fileno())
+        for listener in self.listeners:
+            listener(event)
 
 
 def read_ledger(run_dir: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:

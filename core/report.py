@@ -46,27 +46,21 @@ class RunReport:
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "success_rate": self.success_rate}
 
-
-def build_report(run_dir: str | Path) -> RunReport:
-    run_dir = Path(run_dir)
-    if not (run_dir / "events.jsonl").exists():
-        raise FileNotFoundError(f"{run_dir} has no events.jsonl; is it the --run-dir of a torchpass launch?")
-    rep = RunReport(str(run_dir))
-    rep.critical_path = [asdict(s) for s in read_summaries(run_dir)]
-    for ev in read_ledger(run_dir):
+    def add(self, ev: dict[str, Any]) -> None:
+        """Count one ledger event (as ``events.jsonl`` holds it); the live metrics count with this too."""
         kind = ev.get("type")
         if kind == "job_start":
-            rep.job = ev.get("detail", {})
+            self.job = ev.get("detail", {})
         elif kind in ("job_end", "job_failed"):
-            rep.ended = ev["message"]
+            self.ended = ev["message"]
             if kind == "job_end":
-                rep.exit_code = ev.get("detail", {}).get("exit_code")
+                self.exit_code = ev.get("detail", {}).get("exit_code")
         elif kind == "migration":
             if ev["outcome"] == "superseded":
-                rep.superseded_attempts += 1
-                continue
+                self.superseded_attempts += 1
+                return
             lost = float(ev.get("timings", {}).get("total", 0.0))
-            rep.incidents.append(
+            self.incidents.append(
                 {
                     "generation": ev["generation"],
                     "cause": ev["cause"],
@@ -83,16 +77,26 @@ def build_report(run_dir: str | Path) -> RunReport:
                     "fenced": ev.get("fenced", {}),
                 }
             )
-            rep.bytes_moved += int(ev["bytes_moved"])
-            rep.time_lost_s += lost
+            self.bytes_moved += int(ev["bytes_moved"])
+            self.time_lost_s += lost
             if ev["classification"] == QUALIFYING:
-                rep.qualifying += 1
-                rep.qualifying_succeeded += ev["outcome"] == "success"
-                rep.succeeded_with_fencing += ev["outcome"] == "success" and bool(ev.get("fenced"))
+                self.qualifying += 1
+                self.qualifying_succeeded += ev["outcome"] == "success"
+                self.succeeded_with_fencing += ev["outcome"] == "success" and bool(ev.get("fenced"))
             elif ev["classification"] == DISQUALIFYING:
-                rep.disqualifying += 1
+                self.disqualifying += 1
         else:
-            rep.other_events.append(ev)
+            self.other_events.append(ev)
+
+
+def build_report(run_dir: str | Path) -> RunReport:
+    run_dir = Path(run_dir)
+    if not (run_dir / "events.jsonl").exists():
+        raise FileNotFoundError(f"{run_dir} has no events.jsonl; is it the --run-dir of a torchpass launch?")
+    rep = RunReport(str(run_dir))
+    rep.critical_path = [asdict(s) for s in read_summaries(run_dir)]
+    for ev in read_ledger(run_dir):
+        rep.add(ev)
     return rep
 
 
@@ -110,12 +114,12 @@ def format_report(rep: RunReport) -> str:
     lines.append(f"  time lost: {rep.time_lost_s:.2f} s in total; state moved: {rep.bytes_moved / 1e6:.1f} MB")
     if rep.incidents:
         lines.append("")
-        lines.append(f"  {'gen':>3}  {'cause':<8} {'class':<13} {'outcome':<8} {'ranks':<10} {'step':>5} {'lost s':>7} {'MB':>8}  phases (s)")
+        lines.append(f"  {'gen':>3}  {'cause':<12} {'class':<13} {'outcome':<8} {'ranks':<10} {'step':>5} {'lost s':>7} {'MB':>8}  phases (s)")
         for inc in rep.incidents:
             phases = " ".join(f"{k}={v:.2f}" for k, v in inc["timings"].items() if k != "total")
             mark = "*" if inc["fenced"] else " "
             lines.append(
-                f" {mark}{inc['generation']:>3}  {inc['cause']:<8} {inc['class']:<13} {inc['outcome']:<8} "
+                f" {mark}{inc['generation']:>3}  {inc['cause']:<12} {inc['class']:<13} {inc['outcome']:<8} "
                 f"{','.join(map(str, inc['failed_ranks'])):<10} {inc['resumed_at_step']:>5} {inc['time_lost_s']:>7.2f} "
                 f"{inc['bytes_moved'] / 1e6:>8.1f}  {phases}"
             )

@@ -17,7 +17,7 @@ def test_moved_names_the_members_off_their_launch_node(tmp_path: Path) -> None:
     """Two nodes of two ranks: rank 0 went to node 1's spare, rank 3 to node 0's; rank 1's spare was on its own node."""
     store = dist.TCPStore("127.0.0.1", 0, 1, True, wait_for_workers=False, timeout=timedelta(seconds=10))
     spec = JobSpec(world_size=4, nnodes=2, nproc_per_node=2, spares_per_node=2, run_id="t", command=["train.py"])
-    controller = Controller(store, spec, tmp_path, TorchPassConfig(), lambda line: None, lambda wid, node: None, "127.0.0.1:0")
+    controller = Controller(store, spec, tmp_path, TorchPassConfig(), lambda line: None, lambda node, order: None, "127.0.0.1:0")
     for node in (0, 1):
         for i in (0, 1):
             controller._on_report(Report("spawned", f"n{node}-a{i}", node, 2 * node + i, detail={"pid": 1, "role": "active"}))

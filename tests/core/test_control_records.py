@@ -61,7 +61,7 @@ def test_the_controller_records_a_bad_record_and_carries_on(tmp_path: Path) -> N
     store = _store()
     said: list[str] = []
     spec = JobSpec(world_size=2, nnodes=1, nproc_per_node=2, spares_per_node=1, run_id="t", command=["train.py"])
-    controller = Controller(store, spec, tmp_path, TorchPassConfig(), said.append, lambda wid, node: None, "127.0.0.1:0")
+    controller = Controller(store, spec, tmp_path, TorchPassConfig(), said.append, lambda node, order: None, "127.0.0.1:0")
     _write_raw(store, Keys.events, b"garbage")
     _write_raw(store, Keys.events, json.dumps({"kind": "exit", "wid": "n0-a0", "unexpected": True}).encode())
     Mailbox(store, Keys.events).post(Report("spawned", "n0-a9", 0, detail={}))  # no pid, no role: makes no sense
@@ -80,7 +80,7 @@ def _controller_in_migration(tmp_path: Path, failed: set[int], fenced: list[str]
 
     store = _store()
     spec = JobSpec(world_size=4, nnodes=1, nproc_per_node=4, spares_per_node=1, run_id="t", command=["train.py"])
-    controller = Controller(store, spec, tmp_path, TorchPassConfig(), lambda line: None, lambda wid, node: fenced.append(wid), "127.0.0.1:0")
+    controller = Controller(store, spec, tmp_path, TorchPassConfig(), lambda line: None, lambda node, order: fenced.append(order["fence"]), "127.0.0.1:0")
     controller.members = {r: f"n0-a{r}" for r in range(4)}
     controller.migration = _Migration(generation=1, cause="kill" if failed else "progress", classification="qualifying", t_fault=0.0, t_detect=0.0, failed=set(failed))
     return controller
@@ -132,7 +132,7 @@ def test_a_rank_lost_after_others_finished_training_ends_the_job_without_a_migra
     said: list[str] = []
     store = _store()
     spec = JobSpec(world_size=4, nnodes=1, nproc_per_node=4, spares_per_node=1, run_id="t", command=["train.py"])
-    controller = Controller(store, spec, tmp_path, TorchPassConfig(), said.append, lambda wid, node: None, "127.0.0.1:0")
+    controller = Controller(store, spec, tmp_path, TorchPassConfig(), said.append, lambda node, order: None, "127.0.0.1:0")
     box = Mailbox(store, Keys.events)
     for r in range(4):
         box.post(Report("spawned", f"n0-a{r}", 0, r, detail={"pid": 100 + r, "role": "active"}))

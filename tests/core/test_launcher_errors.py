@@ -77,6 +77,8 @@ def assert_nothing_written(run_dir: Path) -> None:
         (["--node-rank", "2", "--nnodes", "2"], ["--node-rank: got 2; expected 0..1 for --nnodes 2"]),
         (["--no-python"], ["--no-python is not supported"]),
         (["--rdzv-endpoint", "hostonly"], ["--rdzv-endpoint 'hostonly': expected HOST:PORT"]),
+        (["--set", "signals.slurm=always"], ["signals.slurm: got 'always'", "'auto'", "'disabled'"]),
+        (["--set", "signals.poll_interval_s=0"], ["signals.poll_interval_s: got 0", "a number > 0"]),
     ],
 )
 def test_bad_input_exits_2_naming_the_cause(argv, fragments, script, run_dir, capsys):
@@ -93,6 +95,13 @@ _SET_IS_UNTYPED = (
     "YAML-parsed), so every --set value stays a str: --set spares_per_node=2 or the README's "
     "--set heartbeat_timeout_s=5 is refused with \"got '5' (str); expected a number\""
 )
+
+
+def test_slurm_signals_asked_for_without_slurm_name_the_field_and_the_missing_commands(script, run_dir, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sinfo, no scontrol
+    code, err = launch(["--set", "signals.slurm=required", "--run-dir", str(run_dir), str(script)], capsys)
+    assert code == 2 and "signals.slurm: got 'required'" in err and "sinfo and scontrol are not on PATH" in err
+    assert_nothing_written(run_dir)
 
 
 def test_set_values_are_typed_like_yaml():

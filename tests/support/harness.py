@@ -190,8 +190,12 @@ def launch(
     extra: list[str] | None = None,
     module: bool = False,
     env: dict[str, str] | None = None,
+    srun: list[str] | None = None,
 ) -> JobRun:
-    """Start a job (one launcher per node, all on this machine) with its cwd in ``workdir``."""
+    """Start a job (one launcher per node, all on this machine) with its cwd in ``workdir``.
+
+    With ``srun`` (its command and options), one ``srun`` starts every node's launcher instead, and each
+    launcher takes its node count, node rank and node 0's address from the step (``core/slurm.py``)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     run_dir = workdir / "run"
@@ -203,12 +207,12 @@ def launch(
         secret_file.write_text(secrets.token_hex(32))
         secret_file.chmod(0o600)
         extra = ["--secret-file", str(secret_file), *(extra or [])]
-    for node in range(nnodes):
+    for node in range(1 if srun else nnodes):
         node_spare = (node_spares or [spares] * nnodes)[node]
+        placement = [] if srun else ["--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", "127.0.0.1"]
         cmd = [
-            sys.executable, "-m", "torchpass.core.cli", "launch",
-            "--nnodes", str(nnodes), "--node-rank", str(node), "--nproc-per-node", str(nproc),
-            "--spares-per-node", str(node_spare), "--master-addr", "127.0.0.1", "--master-port", str(port),
+            *(srun or []), sys.executable, "-m", "torchpass.core.cli", "launch", *placement, "--nproc-per-node", str(nproc),
+            "--spares-per-node", str(node_spare), "--master-port", str(port),
             "--run-dir", str(run_dir), "--config", config, *(extra or []),
             *(["-m", str(script)] if module else [str(script)]), *script_args,
         ]  # fmt: skip

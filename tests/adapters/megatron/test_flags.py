@@ -30,10 +30,11 @@ def test_every_config_field_has_a_flag_named_after_it() -> None:
     assert flags["--torchpass-buddy-interval-steps"] == "buddy_interval_steps"
     assert flags["--torchpass-chaos-kill-rank"] == "chaos.kill_rank"
     assert flags["--torchpass-telemetry-step-times"] == "telemetry.step_times"
-    top = {f.name for f in dataclasses.fields(TorchPassConfig)} - {"enabled", "spares_per_node", "run_dir", "telemetry", "chaos"}
+    top = {f.name for f in dataclasses.fields(TorchPassConfig)} - {"enabled", "spares_per_node", "run_dir", "signals", "metrics", "telemetry", "chaos"}
     assert top <= set(flags.values())
     # Read by the launcher before the script starts: a script flag could not act on them.
     assert "--torchpass-spares-per-node" not in flags and "--torchpass-run-dir" not in flags
+    assert not any(flag.startswith("--torchpass-signals") for flag in flags)
 
 
 def test_flags_set_their_fields_over_the_base_config() -> None:
