@@ -79,6 +79,8 @@ class _Worker:
     wid: str
     role: str
     rank: int | None
+    local_rank: int
+    """Its slot on the node: ``LOCAL_RANK``, the GPU it runs on."""
     handler: SubprocessHandler
     tail: TailLog | None
     error_file: Path
@@ -175,7 +177,7 @@ class Agent:
         if self.spec.tee:
             prefix = f"[rank{rank}]:" if rank is not None else f"[spare {wid}]:"
             tail = TailLog(wid, {0: str(out), 1: str(err)}, sys.stdout, {0: prefix, 1: prefix}).start()
-        self.workers[wid] = _Worker(wid, role, rank, handler, tail, error_file, time.time())
+        self.workers[wid] = _Worker(wid, role, rank, local_rank, handler, tail, error_file, time.time())
         self.events.post(Report("spawned", wid, self.spec.node, rank, detail={"pid": handler.proc.pid, "role": role}))
 
     def start(self) -> None:
@@ -299,6 +301,10 @@ class Agent:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+    def worker_in_slot(self, slot: int) -> str | None:
+        """The live worker on slot (``LOCAL_RANK``) ``slot``, if any."""
+        return next((w.wid for w in self.workers.values() if w.local_rank == slot and not w.fenced_for), None)
 
     def alive(self) -> list[str]:
         return list(self.workers)

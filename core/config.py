@@ -31,6 +31,7 @@ __all__ = [
     "TelemetryConfig",
     "TorchPassConfig",
     "load_preset",
+    "parse_xids",
     "load_scenario",
     "config_from_mapping",
     "deep_merge",
@@ -80,15 +81,40 @@ class TelemetryConfig:
     state capture and a pass over its bytes at exit."""
 
 
-SLURM_MODES = ("auto", "required", "disabled")
+SIGNAL_MODES = ("auto", "required", "disabled")
 """Words, not on/off: YAML reads an unquoted ``on`` or ``off`` as a boolean."""
+
+CRITICAL_XIDS = "48,63,64,74,79,92,94,95,119,120"
+"""XIDs that announce a failing GPU (NVIDIA's XID catalogue): 48 double-bit ECC, 63/64 row remapping
+event/failure, 74 NVLink error, 79 fallen off the bus, 92 high single-bit ECC rate, 94/95 contained/uncontained
+ECC error, 119/120 GSP errors. Application faults (13, 31, 43) are left out: they are the script's, and a
+spare would repeat them."""
+
+
+def parse_xids(text: str) -> frozenset[int]:
+    """``"48, 79"`` -> ``{48, 79}`` (``signals.xids``); raises ``ValueError`` naming the bad entry."""
+    out = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        if not part.isdigit():
+            raise ValueError(f"{part!r} is not an XID number")
+        out.add(int(part))
+    return frozenset(out)
+
+
+def _xid_list(text: str) -> bool:
+    try:
+        parse_xids(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
 class SignalsConfig:
-    """Schedulers' early notice that a node goes away, turned into planned migrations (``core/node_signals.py``)."""
+    """Early notice that a node or a GPU goes away (a scheduler, NVML), turned into planned migrations
+    (``core/node_signals.py``)."""
 
-    slurm: str = field(default="auto", metadata={"choices": SLURM_MODES})
+    slurm: str = field(default="auto", metadata={"choices": SIGNAL_MODES})
     """Watch this node's Slurm state (DRAIN, FAIL, maintenance). ``auto``: when the launcher runs inside a Slurm
     job (``SLURM_JOB_ID`` set) and Slurm's client commands are on PATH, so Slurm users get it without asking;
     ``required``: always, and the launch fails if Slurm's commands are missing; ``disabled``: never."""
@@ -101,6 +127,21 @@ class SignalsConfig:
     maint_lead_s: float = field(default=900.0, metadata={"check": (_non_negative, "a number >= 0")})
     """A maintenance reservation on this node that starts within this many seconds drains it now. 15 minutes
     covers a migration of any size with a wide margin and keeps the node in use until shortly before."""
+
+    nvml: str = field(default="auto", metadata={"choices": SIGNAL_MODES})
+    """Watch each slot's GPU through NVML (``core/gpu_health.py``). ``auto``: when NVML starts and sees a GPU
+    (a CPU machine says so once and goes on); ``required``: the launch fails without it; ``disabled``: never."""
+
+    ecc_uncorrected_increase: int = field(default=1, metadata={"check": (_positive, "an integer >= 1")})
+    """New volatile uncorrectable ECC errors on a GPU that move its rank. One: each is data already lost or
+    about to be, and the page goes to retirement."""
+
+    thermal_margin_c: float = field(default=5.0, metadata={"check": (_non_negative, "a number >= 0")})
+    """A GPU this many degrees C from its slowdown threshold moves its rank: close enough that it is in
+    trouble (cooling failed), far enough that it has not yet slowed the whole job down."""
+
+    xids: str = field(default=CRITICAL_XIDS, metadata={"check": (_xid_list, "comma-separated XID numbers")})
+    """Critical XIDs that move the rank of the GPU reporting one; empty for none."""
 
 
 @dataclass

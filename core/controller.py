@@ -344,9 +344,20 @@ class Controller:
             signal_name = report.detail.get("signal", "request")
             reason = report.detail.get("reason")
             what = f"node {report.node} is draining ({signal_name}{': ' + reason if reason else ''})"
+        elif report.rank is None and report.wid in self.spares:
+            # A spare whose GPU is failing: it leaves the pool before any rank is given to it.
+            del self.spares[report.wid]
+            self._set_role(report.wid, "retired")
+            self._order(report.node, {"retire": report.wid, "why": f"retired: {report.detail.get('reason', 'asked to leave')}"})
+            self.ledger.append(JobEvent("spare_retired", f"spare {report.wid}: {report.detail.get('reason', '')}", report.detail))
+            self.say(f"spare {report.wid} retired ({report.detail.get('reason', 'asked to leave')}); {len(self.spares)} spare(s) left")
+            self._write_workers_json()
+            return
         else:
-            ranks = {report.rank} if report.rank is not None else set()
-            what = f"rank {report.rank} asked to migrate ({report.detail.get('signal', 'operator')})"
+            rank = report.rank if report.rank is not None else next((r for r, w in self.members.items() if w == report.wid), None)
+            ranks = {rank} if rank is not None else set()
+            reason = report.detail.get("reason")
+            what = f"rank {rank} asked to migrate ({report.detail.get('signal', 'operator')}{': ' + reason if reason else ''})"
         if not ranks:
             return
         m = self.migration

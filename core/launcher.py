@@ -27,10 +27,11 @@ import torch.distributed as dist
 
 from . import job_secret
 from .agent import Agent, NodeSpec
+from .gpu_health import GpuHealthSource, GpuThresholds, probe_nvml, gpu_handles
 from .metrics import JobMetrics
 from .node_signals import NodeSignalSource, NodeSignalWatcher
 from .slurm import SlurmDrainSource, slurm_available, slurm_node_name, slurm_placement
-from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario
+from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario, parse_xids
 from .control import Keys, Mailbox, Report, signed
 from .controller import Controller, JobSpec
 from .liveness import STORE_LOST_EXIT
@@ -181,22 +182,31 @@ def _placement_from_slurm(args: argparse.Namespace) -> None:
     args.master_addr = "127.0.0.1" if args.master_addr is None else args.master_addr
 
 
-def _signal_sources(config: TorchPassConfig) -> list[NodeSignalSource]:
-    """The schedulers this node's agent watches (``signals.*``)."""
-    mode = config.signals.slurm
-    if mode == "disabled" or (mode == "auto" and not ("SLURM_JOB_ID" in os.environ and slurm_available())):
-        return []
-    if not slurm_available():
-        raise LaunchError(
-            "signals.slurm: got 'required', but Slurm's sinfo and scontrol are not on PATH; set it to 'auto' or 'disabled'"
-        )
-    return [SlurmDrainSource(slurm_node_name(), config.signals.maint_lead_s)]
+def _signal_sources(config: TorchPassConfig, slots: int) -> list[NodeSignalSource]:
+    """What this node's agent watches (``signals.*``): Slurm's view of the node, NVML's of its ``slots`` GPUs."""
+    sig = config.signals
+    sources: list[NodeSignalSource] = []
+    if sig.slurm == "required" or (sig.slurm == "auto" and "SLURM_JOB_ID" in os.environ and slurm_available()):
+        if not slurm_available():
+            raise LaunchError(
+                "signals.slurm: got 'required', but Slurm's sinfo and scontrol are not on PATH; set it to 'auto' or 'disabled'"
+            )
+        sources.append(SlurmDrainSource(slurm_node_name(), sig.maint_lead_s))
+    if sig.nvml != "disabled":
+        nvml, why_not = probe_nvml()
+        if nvml is None and sig.nvml == "required":
+            raise LaunchError(f"signals.nvml: got 'required', but {why_not}; set it to 'auto' or 'disabled'")
+        if nvml is None:
+            print(f"torchpass launch: GPU health signals off: {why_not}", flush=True)
+        else:
+            thresholds = GpuThresholds(sig.ecc_uncorrected_increase, sig.thermal_margin_c, parse_xids(sig.xids))
+            sources.append(GpuHealthSource(nvml, gpu_handles(nvml, slots), thresholds))
+    return sources
 
 
 def _launch(args: argparse.Namespace) -> int:
     config = _config(args)
     _placement_from_slurm(args)
-    sources = _signal_sources(config)
     nnodes = _nnodes(args.nnodes)
     nproc = _int_or(str(args.nproc_per_node), "--nproc-per-node", os.cpu_count() or 1)
     spares = config.spares_per_node if args.spares_per_node is None else args.spares_per_node
@@ -206,6 +216,7 @@ def _launch(args: argparse.Namespace) -> int:
         raise LaunchError(f"--node-rank: got {args.node_rank}; expected 0..{nnodes - 1} for --nnodes {nnodes}")
     if args.no_python:
         raise LaunchError("--no-python is not supported: torchpass runs every worker through its Python bootstrap")
+    sources = _signal_sources(config, nproc + spares)
     if args.max_restarts:
         print("torchpass launch: --max-restarts ignored: failed ranks migrate to hot spares instead of restarting", flush=True)
     script_args = list(args.training_script_args)
@@ -316,10 +327,15 @@ def _launch(args: argparse.Namespace) -> int:
                 # Node 0's store went away (a stopped or unreachable one is the agent's watchdog's case).
                 agent.abandon(f"lost the store at {host}:{port}: {exc}", STORE_LOST_EXIT)
         for source, found in watcher.take():
-            if not draining:
+            detail = {"signal": found.cause, "cause": found.cause, "reason": found.reason, "trigger": found.detail}
+            if found.gpu is not None:
+                wid = agent.worker_in_slot(found.gpu)
+                if wid is not None and not draining:
+                    say(f"{source}: {found.reason}: moving the process on it ({wid}) to a spare")
+                    events.post(Report("drain", wid, args.node_rank, detail=detail))
+            elif not draining:
                 draining = True
                 say(f"{source}: {found.reason}: draining this node's ranks to spares elsewhere")
-                detail = {"signal": found.cause, "cause": found.cause, "reason": found.reason, "trigger": found.detail}
                 events.post(Report("node_drain", node=args.node_rank, detail=detail))
         if stop["signals"] == 1 and stop.get("last") == signal.SIGTERM and not draining:
             draining = True

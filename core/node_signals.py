@@ -1,4 +1,4 @@
-"""Early signals that a node is about to be taken away, turned into planned migrations.
+"""Early signals that a node or one of its GPUs is going away, turned into planned migrations.
 
 A scheduler announces a node's end before it happens: Slurm marks it DRAIN (or
 FAIL, or puts a maintenance reservation on it), Kubernetes cordons it. Each
@@ -14,8 +14,9 @@ Invariants:
 * a source is polled at most once per ``signals.poll_interval_s``; a poll that
   fails (the scheduler's client not answering) is logged once per episode and
   retried at the next interval: it never stops the job, never signals;
-* each source signals at most once per launcher: a node that drains stays
-  drained for this job (a later "resume" does not bring its ranks back);
+* a source reports each thing once (a GPU, the node): a node that drains
+  stays drained for this job (a later "resume" does not bring its ranks
+  back), and a source that announced the node's end is not asked again;
 * the watcher does nothing the training processes could wait on.
 """
 
@@ -39,6 +40,8 @@ class NodeSignal:
     """The scheduler's own words (Slurm's node reason), shown to the operator and kept in the ledger."""
     detail: dict[str, Any] = field(default_factory=dict)
     """What the source read (the node's state, a reservation's name and start), for the ledger's ``trigger``."""
+    gpu: int | None = None
+    """The slot (``LOCAL_RANK``) whose GPU is failing: only the process there moves. None: the whole node."""
 
 
 class NodeSignalSource(Protocol):
@@ -47,8 +50,8 @@ class NodeSignalSource(Protocol):
     name: str
     """Shown in log lines (``slurm``)."""
 
-    def poll(self) -> NodeSignal | None:
-        """The node's end, if the scheduler announces it now; raises ``OSError``/``RuntimeError`` if it cannot tell."""
+    def poll(self) -> list[NodeSignal]:
+        """What the source announces now (each thing once); raises ``OSError``/``RuntimeError`` if it cannot tell."""
         ...
 
 
@@ -94,7 +97,8 @@ class NodeSignalWatcher:
                 if source.name in failing:
                     failing.discard(source.name)
                     self._say(f"{source.name} answers again")
-                if found is not None:
-                    self._found.put((source.name, found))
-                    self._sources.remove(source)  # one signal per source: a drained node stays drained
+                for signal in found:
+                    self._found.put((source.name, signal))
+                if any(signal.gpu is None for signal in found):
+                    self._sources.remove(source)  # the whole node goes: nothing more to watch there
             self._stop.wait(self._interval_s)

@@ -102,7 +102,11 @@ class SlurmDrainSource:
         self.node = node
         self.maint_lead_s = maint_lead_s
 
-    def poll(self) -> NodeSignal | None:
+    def poll(self) -> list[NodeSignal]:
+        found = self._node_state() or self._maintenance_ahead()
+        return [found] if found is not None else []
+
+    def _node_state(self) -> NodeSignal | None:
         line = _run(["sinfo", "--noheader", "--Node", "--nodes", self.node, "--Format", "StateComplete:|,Reason:512"])
         if not line.strip():
             raise RuntimeError(f"slurmctld does not know node {self.node!r} (set SLURMD_NODENAME to its Slurm name)")
@@ -110,7 +114,7 @@ class SlurmDrainSource:
         for flag, cause in DRAIN_FLAGS.items():
             if flag in flags:
                 return NodeSignal(cause, reason or f"node {self.node} is {flag}", {"node": self.node, "state": "+".join(sorted(flags))})
-        return self._maintenance_ahead()
+        return None
 
     def _maintenance_ahead(self) -> NodeSignal | None:
         now = time.time()

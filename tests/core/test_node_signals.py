@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 
 from torchpass.core.node_signals import NodeSignal, NodeSignalWatcher
@@ -10,19 +9,16 @@ from torchpass.core.slurm import parse_node_state, parse_reservations
 
 
 class ScriptedSource:
-    """A scheduler whose answers a test writes: a NodeSignal, None (nothing to say) or an exception."""
+    """A source whose answers a test writes: a list of signals, or an exception."""
 
     def __init__(self, name: str, answers: list) -> None:
         self.name = name
         self.answers = list(answers)
         self.polls = 0
-        self.polled = threading.Event()
 
-    def poll(self) -> NodeSignal | None:
+    def poll(self) -> list[NodeSignal]:
         self.polls += 1
-        answer = self.answers.pop(0) if self.answers else None
-        if not self.answers:
-            self.polled.set()
+        answer = self.answers.pop(0) if self.answers else []
         if isinstance(answer, Exception):
             raise answer
         return answer
@@ -39,7 +35,7 @@ def _take_until(watcher: NodeSignalWatcher, n: int, timeout: float = 5.0) -> lis
 
 def test_a_signal_is_taken_once_and_its_source_is_not_polled_again() -> None:
     drain = NodeSignal("slurm-drain", "bad DIMM", {"node": "n1"})
-    source = ScriptedSource("slurm", [None, drain])
+    source = ScriptedSource("slurm", [[], [drain]])
     said: list[str] = []
     watcher = NodeSignalWatcher([source], 0.01, said.append)
     watcher.start()
@@ -53,13 +49,23 @@ def test_a_signal_is_taken_once_and_its_source_is_not_polled_again() -> None:
 
 def test_a_failing_source_is_logged_once_per_episode_and_retried() -> None:
     drain = NodeSignal("slurm-drain", "maintenance")
-    source = ScriptedSource("slurm", [RuntimeError("slurmctld down"), RuntimeError("slurmctld down"), None, drain])
+    source = ScriptedSource("slurm", [RuntimeError("slurmctld down"), RuntimeError("slurmctld down"), [], [drain]])
     said: list[str] = []
     watcher = NodeSignalWatcher([source], 0.01, said.append)
     watcher.start()
     assert _take_until(watcher, 1) == [("slurm", drain)]
     watcher.stop()
     assert said[1:] == ["cannot read this node's state from slurm (slurmctld down); retrying every poll", "slurm answers again"]
+
+
+def test_a_gpu_signal_leaves_the_source_watching_the_other_gpus() -> None:
+    gpu1 = NodeSignal("pre-emptive", "GPU 1: critical XID 79", {"signal": "xid", "value": 79, "gpu": 1}, gpu=1)
+    gpu0 = NodeSignal("pre-emptive", "GPU 0: 93 C", {"signal": "thermal", "value": 93, "gpu": 0}, gpu=0)
+    source = ScriptedSource("nvml", [[gpu1], [], [gpu0]])
+    watcher = NodeSignalWatcher([source], 0.01, lambda line: None)
+    watcher.start()
+    assert _take_until(watcher, 2) == [("nvml", gpu1), ("nvml", gpu0)]
+    watcher.stop()
 
 
 def test_without_sources_nothing_runs() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 from torchpass.core.control import Plan, Status, _from_json, _to_json
 from torchpass.core.planner import Disqualified, MirrorInfo, PlanInput, SpareInfo, plan_migration

@@ -54,22 +54,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_the_source_reads_drain_fail_and_an_upcoming_maintenance_from_slurmctld(clean: SlurmCluster) -> None:
     a, b = (SlurmDrainSource(n, maint_lead_s=900) for n in NODES)
-    assert a.poll() is None and b.poll() is None
+    assert a.poll() == [] and b.poll() == []
     clean.run("scontrol", "update", f"nodename={NODES[1]}", "state=drain", "reason=ECC errors on DIMM 3")
-    assert b.poll() == NodeSignal("slurm-drain", "ECC errors on DIMM 3", {"node": NODES[1], "state": "drain+idle"})
-    assert a.poll() is None
+    assert b.poll() == [NodeSignal("slurm-drain", "ECC errors on DIMM 3", {"node": NODES[1], "state": "drain+idle"})]
+    assert a.poll() == []
     clean.run("scontrol", "update", f"nodename={NODES[0]}", "state=fail", "reason=fan failure")
-    assert a.poll() is not None and a.poll().cause == "slurm-fail" and a.poll().reason == "fan failure"
+    ((cause, reason),) = [(s.cause, s.reason) for s in a.poll()]
+    assert (cause, reason) == ("slurm-fail", "fan failure")
     clean.resume_all()
     start = (datetime.now() + timedelta(minutes=10)).strftime("%Y-%m-%dT%H:%M:%S")
     clean.run(
         "scontrol", "create", "reservation", "reservationname=firmware", "flags=maint", f"nodes={NODES[0]}",
         f"starttime={start}", "duration=30", "user=root",
     )  # fmt: skip
-    found = a.poll()
-    assert found is not None and found.cause == "slurm-maint" and found.detail["reservation"] == "firmware", found
-    assert SlurmDrainSource(NODES[0], maint_lead_s=60).poll() is None  # ten minutes away: not yet for a 1-minute lead
-    assert b.poll() is None
+    (found,) = a.poll()
+    assert found.cause == "slurm-maint" and found.detail["reservation"] == "firmware", found
+    assert SlurmDrainSource(NODES[0], maint_lead_s=60).poll() == []  # ten minutes away: not yet for a 1-minute lead
+    assert b.poll() == []
 
 
 def test_a_node_slurm_does_not_know_is_an_error_naming_it(clean: SlurmCluster) -> None:
