@@ -143,6 +143,30 @@ class SignalsConfig:
     xids: str = field(default=CRITICAL_XIDS, metadata={"check": (_xid_list, "comma-separated XID numbers")})
     """Critical XIDs that move the rank of the GPU reporting one; empty for none."""
 
+    k8s: str = field(default="auto", metadata={"choices": SIGNAL_MODES})
+    """Watch this node and the job's pods on it in Kubernetes (``core/kubernetes_signals.py``). ``auto``: when
+    the launcher runs in a pod and the ``kubernetes`` client is installed; ``required``: the launch fails
+    without them; ``disabled``: never."""
+
+    k8s_node: str = ""
+    """The Kubernetes node this launcher runs on; empty: the ``NODE_NAME`` environment variable, which a pod
+    spec sets from the downward API (``fieldRef: spec.nodeName``)."""
+
+    k8s_namespace: str = ""
+    """Namespace of the job's pods; empty: the pod's own (in a cluster), else ``default``."""
+
+    k8s_pod_selector: str = ""
+    """Label selector of the job's pods (``job=llm``); one on this node being deleted drains the node. Empty:
+    only this launcher's own pod (``POD_NAME``, else the host name, which Kubernetes sets to the pod's)."""
+
+    k8s_taints: str = "ToBeDeletedByClusterAutoscaler,node.kubernetes.io/out-of-service"
+    """Comma-separated taint keys that drain the node: the cluster autoscaler's mark on a node it is about to
+    remove, and the out-of-service taint an operator sets on a node going down. A cordon always drains."""
+
+    k8s_kubeconfig: str = ""
+    """The kubeconfig to use outside a cluster; empty: in-cluster credentials in a pod, else ``$KUBECONFIG`` or
+    ``~/.kube/config``."""
+
 
 @dataclass
 class MetricsConfig:

@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from . import job_secret
 from .agent import Agent, NodeSpec
 from .gpu_health import GpuHealthSource, GpuThresholds, probe_nvml, gpu_handles
+from .kubernetes_signals import KubernetesSource, default_namespace, in_cluster, kubernetes_available
 from .metrics import JobMetrics
 from .node_signals import NodeSignalSource, NodeSignalWatcher
 from .slurm import SlurmDrainSource, slurm_available, slurm_node_name, slurm_placement
@@ -201,7 +203,27 @@ def _signal_sources(config: TorchPassConfig, slots: int) -> list[NodeSignalSourc
         else:
             thresholds = GpuThresholds(sig.ecc_uncorrected_increase, sig.thermal_margin_c, parse_xids(sig.xids))
             sources.append(GpuHealthSource(nvml, gpu_handles(nvml, slots), thresholds))
+    if sig.k8s == "required" or (sig.k8s == "auto" and in_cluster() and kubernetes_available()):
+        sources.append(_kubernetes_source(config))
     return sources
+
+
+def _kubernetes_source(config: TorchPassConfig) -> NodeSignalSource:
+    sig = config.signals
+    if not kubernetes_available():
+        raise LaunchError("signals.k8s: got 'required', but the kubernetes client is not installed (pip install 'torchpass[k8s]')")
+    node = sig.k8s_node or os.environ.get("NODE_NAME", "")
+    if not node:
+        raise LaunchError(
+            "signals.k8s_node: empty and NODE_NAME is not set; set NODE_NAME from the downward API (spec.nodeName) "
+            "or give the node's name"
+        )
+    taints = frozenset(filter(None, (k.strip() for k in sig.k8s_taints.split(","))))
+    pod = os.environ.get("POD_NAME") or socket.gethostname()
+    try:
+        return KubernetesSource(node, sig.k8s_namespace or default_namespace(), sig.k8s_pod_selector, taints, sig.k8s_kubeconfig, pod)
+    except Exception as exc:  # the client's ConfigException, a missing or unreadable file: named, not started
+        raise LaunchError(f"signals.k8s_kubeconfig: cannot load Kubernetes credentials ({type(exc).__name__}: {exc})") from None
 
 
 def _launch(args: argparse.Namespace) -> int:

@@ -104,6 +104,18 @@ def test_slurm_signals_asked_for_without_slurm_name_the_field_and_the_missing_co
     assert_nothing_written(run_dir)
 
 
+def test_kubernetes_signals_without_a_node_name_or_credentials_name_the_field(script, run_dir, capsys, monkeypatch, tmp_path):
+    pytest.importorskip("kubernetes")
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    code, err = launch(["--set", "signals.k8s=required", "--run-dir", str(run_dir), str(script)], capsys)
+    assert code == 2 and "signals.k8s_node: empty and NODE_NAME is not set" in err
+    missing = tmp_path / "no-such-kubeconfig"
+    argv = ["--set", "signals.k8s=required", "--set", "signals.k8s_node=n1", "--set", f"signals.k8s_kubeconfig={missing}"]
+    code, err = launch([*argv, "--run-dir", str(run_dir), str(script)], capsys)
+    assert code == 2 and "signals.k8s_kubeconfig: cannot load Kubernetes credentials" in err, err
+    assert_nothing_written(run_dir)
+
+
 def test_set_values_are_typed_like_yaml():
     overrides = launcher._parse_overrides(
         ["spares_per_node=2", "enabled=false", "heartbeat_timeout_s=5", "hang_timeout_s=0.5", "telemetry.console=true", "run_dir=out"]

@@ -173,7 +173,7 @@ class JobRun:
 
     def stray_files(self) -> list[str]:
         """Files the job wrote outside its progress, output and run directories (checkpoints, say)."""
-        allowed = {"progress", "out", "losses", "logged_losses", "grad_norms", "run", "launcher0.log", "launcher1.log", "job.secret"}
+        allowed = {"progress", "out", "losses", "logged_losses", "grad_norms", "run", "job.secret", *(log.name for log in self.logs)}
         return sorted(str(p.relative_to(self.workdir)) for p in self.workdir.iterdir() if p.name not in allowed)
 
 
@@ -191,11 +191,13 @@ def launch(
     module: bool = False,
     env: dict[str, str] | None = None,
     srun: list[str] | None = None,
+    node_env: list[dict[str, str]] | None = None,
 ) -> JobRun:
     """Start a job (one launcher per node, all on this machine) with its cwd in ``workdir``.
 
     With ``srun`` (its command and options), one ``srun`` starts every node's launcher instead, and each
-    launcher takes its node count, node rank and node 0's address from the step (``core/slurm.py``)."""
+    launcher takes its node count, node rank and node 0's address from the step (``core/slurm.py``).
+    ``node_env``: each node's launcher's own additions to ``env`` (a node name, say)."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     run_dir = workdir / "run"
@@ -217,7 +219,7 @@ def launch(
             *(["-m", str(script)] if module else [str(script)]), *script_args,
         ]  # fmt: skip
         log = workdir / f"launcher{node}.log"
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), **(node_env[node] if node_env else {})}
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests" / ".."), full_env.get("PYTHONPATH", "")]))
         procs.append(
             subprocess.Popen(cmd, cwd=workdir, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True, env=full_env)
