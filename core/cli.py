@@ -18,9 +18,12 @@ def _parser() -> argparse.ArgumentParser:
     st = sub.add_parser("status", help="show the workers of a job")
     st.add_argument("--run-dir", required=True)
     st.add_argument("--secret-file", default=None, help=secret_help)
+    st.add_argument("--watch", action="store_true", help="redraw the view until the job ends (ranks, spares, steps, a migration's phase)")
+    st.add_argument("--interval", type=float, default=1.0, help="--watch: seconds between redraws (default 1)")
     rp = sub.add_parser("report", help="success rate and time lost, from a job's ledger")
     rp.add_argument("--run-dir", required=True)
     rp.add_argument("--json", action="store_true", help="machine-readable output")
+    rp.add_argument("--plot", metavar="FILE.png", help="also draw the job's timeline (steps, each migration's phases, spares) to FILE.png")
     inj = sub.add_parser("inject", help="inject a real fault into a running job")
     inj.add_argument("--run-dir", required=True)
     who = inj.add_mutually_exclusive_group(required=True)
@@ -54,17 +57,34 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(launch(args))
     if args.command == "status":
         from .job_secret import SecretError
-        from .status import format_status
+        from .status import format_status, watch_status
 
+        if args.interval <= 0:
+            raise SystemExit(f"torchpass status: --interval: got {args.interval:g}; expected a number of seconds > 0")
         try:
-            print(format_status(args.run_dir, args.secret_file))
+            if args.watch:
+                watch_status(args.run_dir, args.secret_file, args.interval, sys.stdout, clear=sys.stdout.isatty())
+            else:
+                print(format_status(args.run_dir, args.secret_file))
         except (SecretError, FileNotFoundError) as exc:
             raise SystemExit(f"torchpass status: {exc}") from None
+        except KeyboardInterrupt:
+            return  # the operator stopped watching
     elif args.command == "report":
         from .report import build_report, format_report, report_json
 
         rep = build_report(args.run_dir)
         print(report_json(rep) if args.json else format_report(rep))
+        if args.plot:
+            if not args.plot.lower().endswith(".png"):
+                raise SystemExit(f"torchpass report: --plot {args.plot!r}: expected a .png file name")
+            from .report_plot import plot_run
+
+            try:
+                path = plot_run(args.run_dir, args.plot)
+            except ImportError as exc:
+                raise SystemExit(f"torchpass report: --plot needs matplotlib ({exc}): pip install 'torchpass[plot]'") from None
+            print(f"timeline drawn to {path}", file=sys.stderr)
     elif args.command == "inject":
         from .inject import inject
 

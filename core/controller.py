@@ -164,6 +164,7 @@ class Controller:
         self.lost_after_training: set[int] = set()
         """Ranks lost after other ranks had finished training: nothing is left to migrate them for."""
         self._last_progress_scan = 0.0
+        self._written_migration: dict[str, Any] | None = None
         self.node_heartbeat_ages: dict[int, float] = {}
         """Node -> seconds its agent had not beaten at the last scan (node 0's agent is this process)."""
         self._last_node_scan = 0.0
@@ -180,10 +181,19 @@ class Controller:
         """Mark ``workers.json`` stale; it is rewritten once at the end of the tick."""
         self._workers_dirty = True
 
+    def _migration_view(self) -> dict[str, Any] | None:
+        """The running migration as ``workers.json`` shows it (``torchpass status``): changes at each phase only."""
+        m = self.migration
+        if m is None:
+            return None
+        return {"generation": m.generation, "phase": m.phase, "cause": m.cause, "since": m.t_detect, "message": m.message}
+
     def _flush_workers_json(self) -> None:
-        if not self._workers_dirty:
+        migration = self._migration_view()
+        if not self._workers_dirty and migration == self._written_migration:
             return
         self._workers_dirty = False
+        self._written_migration = migration
         # Shallow copies and no indentation: json's C encoder then writes 16,384 records in
         # milliseconds where asdict() and the indenting pure-Python encoder took a second.
         rows = [dict(vars(rec)) for _, rec in sorted(self.records.items())]
@@ -197,6 +207,7 @@ class Controller:
             "store": self.store_address,
             "workers": rows,
             "nodes": nodes,
+            "migration": migration,
         }
         tmp = self.run_dir / "workers.json.tmp"
         tmp.write_text(json.dumps(data, sort_keys=True))

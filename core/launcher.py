@@ -31,6 +31,8 @@ from .agent import Agent, NodeSpec
 from .gpu_health import GpuHealthSource, GpuThresholds, probe_nvml, gpu_handles
 from .kubernetes_signals import KubernetesSource, default_namespace, in_cluster, kubernetes_available
 from .metrics import JobMetrics
+from .timeline import FILE as TIMELINE_FILE
+from .timeline import SAMPLE_S, Timeline, take_sample
 from .node_signals import NodeSignalSource, NodeSignalWatcher
 from .slurm import SlurmDrainSource, slurm_available, slurm_node_name, slurm_placement
 from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario, parse_xids
@@ -135,7 +137,7 @@ def _rdzv_conf(text: str) -> dict[str, str]:
 
 def _prepare_run_dir(run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    old = [run_dir / n for n in ("events.jsonl", "workers.json", "logs", "summary.json") if (run_dir / n).exists()]
+    old = [run_dir / n for n in ("events.jsonl", "workers.json", "logs", "summary.json", TIMELINE_FILE) if (run_dir / n).exists()]
     if old:
         archive = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
         archive.mkdir(parents=True)
@@ -332,12 +334,18 @@ def _launch(args: argparse.Namespace) -> int:
     events = Mailbox(store, Keys.events)
     draining = False
     last_config_check = 0.0
+    last_sample = 0.0
+    timeline = Timeline(run_dir)
     while True:
         if controller is not None:
             agent.tick()
             controller.tick()
-            if metrics is not None:
-                metrics.refresh(controller)
+            if time.time() - last_sample >= SAMPLE_S:
+                last_sample = time.time()
+                sample = take_sample(controller)
+                timeline.record(sample)
+                if metrics is not None:
+                    metrics.refresh(controller, sample)
             if controller.outcome is not None:
                 break
         else:
@@ -380,6 +388,7 @@ def _launch(args: argparse.Namespace) -> int:
     if controller is not None:
         assert controller.outcome is not None
         code, message = controller.outcome
+        timeline.record(take_sample(controller), keep=True)
     else:
         outcome = json.loads(store.get(Keys.outcome)) if store.check([Keys.outcome]) else {"code": 1, "message": "node 0 went away"}
         code, message = int(outcome["code"]), str(outcome["message"])

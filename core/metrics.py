@@ -25,35 +25,29 @@ outcome}``                                                           class and o
 
 Counters move when the controller appends to the ledger (the same events
 ``torchpass report`` reads, counted by the same ``RunReport``); gauges are set
-by the launcher's loop at most once per ``REFRESH_S``, from what the controller
-already tracks plus one store read (rank 0's heartbeat). A scrape reads only
+from the launcher's progress sample each second (``core/timeline.py``: what the
+controller already tracks plus one store read, rank 0's heartbeat). A scrape reads only
 these objects: it never touches the store or the controller.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
-from collections import Counter as Tally
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from .control import Heartbeat, Keys, try_get
 from .ledger import JobEvent, MigrationEvent
 from .report import RunReport
+from .timeline import ProgressSample
 
 if TYPE_CHECKING:
     from .controller import Controller
 
-__all__ = ["JobMetrics", "RECOVERY_BUCKETS_S", "REFRESH_S"]
+__all__ = ["JobMetrics", "RECOVERY_BUCKETS_S"]
 
 RECOVERY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 """Histogram buckets for recovery phases: migrations measured here take 0.1-2 s, a large job's tens of seconds."""
-
-REFRESH_S = 1.0
-"""How often the gauges are brought up to date: finer than any scrape interval anyone runs."""
-
 
 class JobMetrics:
     """The job's metrics; :meth:`serve` exposes them over HTTP."""
@@ -81,7 +75,6 @@ class JobMetrics:
         self.generation = Gauge("torchpass_generation", "The job's generation", registry=r)
         self.in_progress = Gauge("torchpass_migration_in_progress", "1 while a migration runs", registry=r)
         self._report = RunReport("")
-        self._last_refresh = 0.0
         self._seen_step: tuple[int, float] | None = None
 
     def serve(self, host: str, port: int) -> None:
@@ -103,23 +96,16 @@ class JobMetrics:
         self.bytes_moved.inc(event.bytes_moved)
         self.steps_lost.inc(event.steps_lost)
 
-    def refresh(self, controller: Controller) -> None:
-        """Bring the gauges up to date (from the launcher's loop, where the controller runs)."""
-        now = time.time()
-        if now - self._last_refresh < REFRESH_S:
-            return
-        self._last_refresh = now
-        free = Tally(controller.spares.values())
-        for node in range(controller.spec.nnodes):
-            self.spares_free.labels(str(node)).set(free.get(node, 0))
+    def refresh(self, controller: Controller, sample: ProgressSample) -> None:
+        """Bring the gauges up to date from the launcher's latest sample (``core/timeline.py``)."""
+        for node, free in sample.spares_free.items():
+            self.spares_free.labels(str(node)).set(free)
         for node, age in controller.node_heartbeat_ages.items():
             self.node_heartbeat_age.labels(str(node)).set(age)
-        self.generation.set(controller.generation)
-        self.in_progress.set(1 if controller.migration is not None else 0)
-        wid = controller.members.get(0)
-        beat = try_get(controller.store, Keys.heartbeat(wid), Heartbeat) if wid is not None else None
-        if beat is not None:
-            self._observe_step(beat.step, now)
+        self.generation.set(sample.generation)
+        self.in_progress.set(1 if sample.migrating else 0)
+        if sample.step is not None:
+            self._observe_step(sample.step, sample.t)
 
     def _observe_step(self, step: int, now: float) -> None:
         self.step.set(step)

@@ -1,7 +1,9 @@
 """``torchpass status``: who is who in a running (or finished) job.
 
-Reads ``workers.json`` from the run directory and, while the job's store is
-reachable, the live heartbeats (step, phase, age) of every worker.
+Reads ``workers.json`` from the run directory (with the migration running, if
+any, and its phase) and, while the job's store is reachable, the live
+heartbeats (step, phase, age) of every worker. ``--watch`` redraws it every
+interval until the job ends.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ import json
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
-__all__ = ["read_workers", "format_status"]
+__all__ = ["read_workers", "format_status", "watch_status"]
 
 
 def read_workers(run_dir: str | Path) -> dict[str, Any]:
@@ -22,40 +24,64 @@ def read_workers(run_dir: str | Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def _heartbeats(data: dict[str, Any], run_dir: str | Path, secret_file: str | None) -> dict[str, Any]:
-    import torch.distributed as dist  # torch is only needed for the live view
+class _LiveView:
+    """A connection to the job's store, kept across refreshes (``--watch``), for the workers' heartbeats."""
 
-    from .control import Heartbeat, Keys, signed, try_get
-    from .job_secret import for_operator
+    def __init__(self, run_dir: str | Path, secret_file: str | None):
+        self.run_dir, self.secret_file = run_dir, secret_file
+        self._store: Any = None
+        self._address = ""
 
-    store_addr = data.get("store")
-    if not store_addr:
-        return {}
-    host, port = store_addr.rsplit(":", 1)
-    try:
-        base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2.0), wait_for_workers=False)
-    except (RuntimeError, OSError):
-        return {}  # the job is over; workers.json alone tells the final picture
-    # A live job: its records are only readable with its secret (SecretError names the ways to give it).
-    store = signed(base, for_operator(run_dir, secret_file), timedelta(seconds=2.0))
-    beats = {}
-    for row in data["workers"]:
-        hb = try_get(store, Keys.heartbeat(row["wid"]), Heartbeat)
-        if hb is not None:
-            beats[row["wid"]] = hb
-    return beats
+    def heartbeats(self, data: dict[str, Any]) -> dict[str, Any]:
+        import torch.distributed as dist  # torch is only needed for the live view
+
+        from .control import Heartbeat, Keys, signed, try_get
+        from .job_secret import for_operator
+
+        address = data.get("store") or ""
+        if not address:
+            return {}
+        if self._store is None or address != self._address:
+            host, port = address.rsplit(":", 1)
+            try:
+                base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2.0), wait_for_workers=False)
+            except (RuntimeError, OSError):
+                return {}  # the job is over; workers.json alone tells the final picture
+            # A live job: its records are only readable with its secret (SecretError names the ways to give it).
+            self._store = signed(base, for_operator(self.run_dir, self.secret_file), timedelta(seconds=2.0))
+            self._address = address
+        beats = {}
+        try:
+            for row in data["workers"]:
+                hb = try_get(self._store, Keys.heartbeat(row["wid"]), Heartbeat)
+                if hb is not None:
+                    beats[row["wid"]] = hb
+        except (RuntimeError, OSError):
+            self._store = None  # the store went away between two refreshes: the job ended
+            return {}
+        return beats
 
 
-def format_status(run_dir: str | Path, secret_file: str | None = None) -> str:
+def format_status(run_dir: str | Path, secret_file: str | None = None, view: _LiveView | None = None) -> str:
     data = read_workers(run_dir)
-    beats = _heartbeats(data, run_dir, secret_file)
+    beats = (view or _LiveView(run_dir, secret_file)).heartbeats(data)
+    now = time.time()
     lines = [
         f"generation {data['generation']}, world size {data['world_size']}"
         + ("" if beats else " (store unreachable: showing the last recorded state)")
     ]
+    migration = data.get("migration")
+    if migration:
+        lines.append(
+            f"  migration to generation {migration['generation']}: {migration['phase']} for {now - migration['since']:.1f} s "
+            f"({migration['cause']}: {migration['message']})"
+        )
+    summary = Path(run_dir) / "summary.json"
+    if summary.exists():
+        end = json.loads(summary.read_text())
+        lines.append(f"  job ended (exit code {end['exit_code']}): {end['message']}")
     lines.append(f"  {'worker':<8} {'role':<9} {'rank':>4} {'node':>4} {'pid':>8} {'gen':>4} {'step':>6} {'phase':<8} {'heartbeat':>9}")
     order = {"active": 0, "spare": 1, "retired": 2, "finished": 3, "lost": 4}
-    now = time.time()
     for row in sorted(data["workers"], key=lambda r: (order.get(r["role"], 5), r["rank"] if r["rank"] is not None else 1 << 30, r["wid"])):
         hb = beats.get(row["wid"])
         rank = "-" if row["rank"] is None else str(row["rank"])
@@ -66,3 +92,20 @@ def format_status(run_dir: str | Path, secret_file: str | None = None) -> str:
             f"  {row['wid']:<8} {row['role']:<9} {rank:>4} {row['node']:>4} {row['pid']:>8} {row['generation']:>4} {step:>6} {phase:<8} {age:>9}"
         )
     return "\n".join(lines)
+
+
+CLEAR = "\x1b[H\x1b[2J"
+"""ANSI: cursor home, clear screen (every terminal torchpass runs in understands it)."""
+
+
+def watch_status(run_dir: str | Path, secret_file: str | None, interval_s: float, out: TextIO, clear: bool = True) -> None:
+    """``torchpass status --watch``: the status, redrawn every ``interval_s`` until the job has ended."""
+    view = _LiveView(run_dir, secret_file)
+    while True:
+        text = format_status(run_dir, secret_file, view)
+        stamp = time.strftime("%H:%M:%S")
+        out.write(f"{CLEAR if clear else ''}torchpass status {run_dir} at {stamp} (every {interval_s:g} s; Ctrl-C to stop)\n{text}\n")
+        out.flush()
+        if (Path(run_dir) / "summary.json").exists():
+            return
+        time.sleep(interval_s)

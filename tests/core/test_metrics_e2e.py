@@ -8,6 +8,9 @@ outcome, the success ratio, the recovery phases, the spares left and the step.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,7 +45,32 @@ def test_prometheus_sees_the_migration(tmp_path: Path) -> None:
         prometheus.wait_value('torchpass_recovery_seconds_count{phase="total"}', 1)
         prometheus.wait_value("torchpass_spares_free", 0)
         prometheus.wait_value("torchpass_generation", 1)
-        assert float(prometheus.query("torchpass_step")[0]["value"][1]) >= step
+        prometheus.wait_any(f"torchpass_step >= {step}")
         assert_migrated(run, reference, pids, {rank}, "kill", max_steps_lost=0)
     finally:
         prometheus.stop()
+    _check_plot(run.run_dir, tmp_path / "timeline.png")
+
+
+def _check_plot(run_dir: Path, png: Path) -> None:
+    """``torchpass report --plot``: a PNG of the expected size, read back, showing the migration's phase bands."""
+    import matplotlib.image
+
+    from torchpass.core.report_plot import PHASE_COLORS
+
+    done = subprocess.run(
+        [sys.executable, "-m", "torchpass.core.cli", "report", "--run-dir", str(run_dir), "--plot", str(png)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert png.stat().st_size > 20_000
+    pixels = matplotlib.image.imread(png)
+    assert pixels.shape[:2] == (550, 1000)  # figsize 10 x 5.5 in at 100 dpi
+    colors = {tuple((pixels[y, x, :3] * 255).round().astype(int)) for y in range(0, 550, 2) for x in range(0, 1000, 2)}
+    # The migration's longest phase is a band drawn at alpha 0.6 over white (the legend's patches are opaque):
+    # that blend must be in the picture.
+    (migration,) = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if '"migration"' in line]
+    phase = max(PHASE_COLORS, key=lambda p: migration["timings"].get(p, 0.0))
+    band = tuple(int(round(0.6 * int(PHASE_COLORS[phase][i : i + 2], 16) + 0.4 * 255)) for i in (1, 3, 5))
+    assert any(all(abs(a - b) <= 2 for a, b in zip(c, band)) for c in colors), f"no {phase} band ({band}) in the plot"
+    samples = [json.loads(line) for line in (run_dir / "timeline.jsonl").read_text().splitlines()]
+    assert samples[-1]["step"] >= STEPS - 1 and samples[-1]["generation"] == 1, samples  # the last step (numbered from 0)

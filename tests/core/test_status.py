@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import socket
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import torch.distributed as dist
 
 from torchpass.core.control import Heartbeat, Keys, put, signed
 from torchpass.core.job_secret import SECRET_ENV, SecretError
-from torchpass.core.status import format_status
+from torchpass.core.status import CLEAR, format_status, watch_status
 
 from tests.support.secret import SECRET
 
@@ -56,3 +59,23 @@ def test_a_finished_job_needs_no_secret(tmp_path):
         port = s.getsockname()[1]  # nothing listens there any more
     _workers_json(tmp_path / "run", f"127.0.0.1:{port}")
     assert "store unreachable: showing the last recorded state" in format_status(tmp_path / "run")
+
+
+def test_watch_redraws_the_live_view_with_the_migration_phase_until_the_job_ends(live):
+    run_dir, secret_file = live
+    data = json.loads((run_dir / "workers.json").read_text())
+    data["migration"] = {"generation": 1, "phase": "joining", "cause": "slurm-drain", "since": time.time() - 2.0, "message": "node 1 is draining"}
+    (run_dir / "workers.json").write_text(json.dumps(data))
+    out = io.StringIO()
+    watcher = threading.Thread(target=watch_status, args=(run_dir, str(secret_file), 0.05, out))
+    watcher.start()
+    time.sleep(0.3)
+    (run_dir / "summary.json").write_text(json.dumps({"exit_code": 0, "message": "training completed"}))
+    watcher.join(10)
+    assert not watcher.is_alive()
+    frames = out.getvalue().split(CLEAR)[1:]
+    assert len(frames) >= 2
+    assert "migration to generation 1: joining for 2." in frames[0] and "(slurm-drain: node 1 is draining)" in frames[0]
+    assert "train" in frames[0]  # the live heartbeat, through one store connection kept across redraws
+    assert "job ended (exit code 0): training completed" in frames[-1]
+

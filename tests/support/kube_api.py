@@ -186,7 +186,6 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.flush()
 
     def _watch(self, kind: str, namespace: str, query: dict[str, str]) -> None:
-        api = self.api
         since = int(query.get("resourceVersion") or 0)
         deadline = time.time() + float(query.get("timeoutSeconds", 300))
         bookmarks = query.get("allowWatchBookmarks") in ("true", "True", "1")

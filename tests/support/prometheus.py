@@ -45,6 +45,14 @@ class Prometheus:
             time.sleep(0.25)
         raise AssertionError(f"{expr} never became {want}: {got}\n{self.log.read_text()[-2000:]}")
 
+    def wait_any(self, expr: str, timeout: float = 60.0) -> None:
+        """Until the query returns something (a PromQL filter such as ``x >= 8`` that has become true)."""
+        deadline = time.time() + timeout
+        while not self.query(expr):
+            if time.time() > deadline:
+                raise AssertionError(f"{expr} never held\n{self.log.read_text()[-2000:]}")
+            time.sleep(0.25)
+
     def stop(self) -> None:
         self.proc.terminate()
         try:
