@@ -30,9 +30,15 @@ NPROC, SPARES = 3, 5
 SHAPED = REPO / "tests" / "support" / "nvml_shaped"
 
 
-def _slot(run: JobRun, rank: int) -> int:
-    """The slot (LOCAL_RANK, GPU) of the process now holding ``rank``: actives n0-a<i>, spares n0-s<j>."""
-    wid = next(w["wid"] for w in run.workers()["workers"] if w["role"] == "active" and w["rank"] == rank)
+def _slot(run: JobRun, rank: int, generation: int) -> int:
+    """The slot (LOCAL_RANK, GPU) of the process holding ``rank`` in ``generation``: actives n0-a<i>, spares n0-s<j>.
+
+    ``workers.json`` is rewritten at the end of the controller's tick that wrote the ledger: wait for it."""
+    deadline = time.time() + 30
+    while (data := run.workers())["generation"] < generation:
+        assert time.time() < deadline, data
+        time.sleep(0.02)
+    wid = next(w["wid"] for w in data["workers"] if w["role"] == "active" and w["rank"] == rank)
     kind, index = wid.split("-")[1][0], int(wid.split("-")[1][1:])
     return index if kind == "a" else NPROC + index
 
@@ -63,9 +69,9 @@ def test_failing_gpus_move_their_ranks_planned(tmp_path: Path) -> None:
     for i, (sign, rank, change) in enumerate(signs):
         if i == 2:
             # A spare's GPU fails too: it leaves the pool (the last migration still finds one spare).
-            free = sorted(set(range(NPROC, NPROC + SPARES)) - {_slot(run, r) for r in range(NPROC)})
+            free = sorted(set(range(NPROC, NPROC + SPARES)) - {_slot(run, r, i) for r in range(NPROC)})
             set_gpu(free[-1], lost=True)
-        set_gpu(_slot(run, rank), **change)
+        set_gpu(_slot(run, rank, i), **change)
         _wait_migrations(run, i + 1)
     last = assert_migrated(run, reference, pids, {0, 1}, "pre-emptive", max_steps_lost=0)
     migrations = [m for m in run.migrations() if m["outcome"] == "success"]
