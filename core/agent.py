@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
+from . import nccl_transport
 from .config import TorchPassConfig, config_from_mapping
 from .control import Heartbeat, Keys, Mailbox, Report, put, try_get
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error
@@ -80,7 +81,7 @@ class _Worker:
     role: str
     rank: int | None
     local_rank: int
-    """Its slot on the node: ``LOCAL_RANK``, the GPU it runs on."""
+    """Its slot on the node: ``LOCAL_RANK``, the GPU it runs on (:mod:`torchpass.core.devices`)."""
     handler: SubprocessHandler
     tail: TailLog | None
     error_file: Path
@@ -157,6 +158,7 @@ class Agent:
             env.update({"RANK": str(rank), "ROLE_RANK": str(rank)})
         if "OMP_NUM_THREADS" not in os.environ and s.nproc_per_node > 1:
             env["OMP_NUM_THREADS"] = "1"
+        env.update(nccl_transport.worker_environment(os.environ))
         return env
 
     def spawn(self, wid: str, role: str, rank: int | None, local_rank: int) -> None:

@@ -51,9 +51,10 @@ class ModuleBuffers:
         """Copies of the buffers' current values.
 
         Copies, not the live tensors: the mirror pickles records off the training
-        thread while the next forward updates the buffers in place.
+        thread while the next forward updates the buffers in place. Host copies:
+        the small state is pickled (CUDA buffers are copied to the host here).
         """
-        return {name: t.detach().clone() for name, t in self._live.items()}
+        return {name: t.detach().to("cpu", copy=True) for name, t in self._live.items()}
 
     def load(self, state: Mapping[str, torch.Tensor]) -> None:
         """Copy ``state`` into the live buffers; every buffer must be in it."""

@@ -8,13 +8,19 @@ those after a failure is fragile, so torchpass never replaces a group object:
 every group of a migratable job is a :class:`RebuildableProcessGroup`, a Python
 subclass of ``torch.distributed.ProcessGroup`` whose identity, name, rank and
 size stay fixed for the life of the process, and which forwards each
-collective to an *inner* gloo group that is rebuilt per generation.
+collective to an *inner* group that is rebuilt per generation: gloo for CPU
+tensors, and for CUDA tensors gloo or NCCL, as the job asked
+(:class:`InnerBackends`; NCCL's own life cycle is in
+:mod:`torchpass.core.nccl_transport`).
 
 Protocol (driven by :mod:`torchpass.core.runtime`):
 
-1. ``install()`` registers the ``torchpass`` c10d backend and maps requests for
-   ``gloo`` onto it, so ``init_process_group("gloo")``, ``new_group`` and
-   ``DeviceMesh`` all create rebuildable groups without code changes.
+1. ``install()`` registers the ``torchpass`` c10d backends and maps requests
+   for ``gloo``, ``nccl`` and ``cpu:gloo,cuda:nccl`` onto them, so
+   ``init_process_group``, ``new_group`` and ``DeviceMesh`` all create
+   rebuildable groups without code changes. Each registered name stands for
+   one :class:`InnerBackends`, so a ``new_group`` that inherits the world's
+   backend inherits its inner backends too.
 2. A group is *live* (forwarding to its generation's inner gloo group) or
    *local*. A hot spare runs the training script's set-up in local mode: its
    collectives complete at once as if every peer held the same data as the
@@ -28,9 +34,11 @@ Protocol (driven by :mod:`torchpass.core.runtime`):
    process-group timeout. A closed socket alone is not enough: gloo never
    signals an operation whose message was in transfer, so every live
    collective's ``Work`` is one of :mod:`torchpass.core.pending_work`'s, which
-   the release fails.
-4. ``rebuild_all(store, generation)`` builds, in group-creation order, a fresh
-   inner gloo group for every rebuildable group on the store prefix of the new
+   the release fails. NCCL communicators are aborted instead, all of a
+   generation's together (:func:`release_generation`); their works fail by
+   themselves and keep NCCL's stream semantics, so they are not wrapped.
+4. ``rebuild_all(store, generation)`` builds, in group-creation order, fresh
+   inner groups for every rebuildable group on the store prefix of the new
    generation. Creation order is the same on every rank (``new_group`` is a
    collective call), so the rebuild cannot deadlock.
 5. ``hold(True)`` makes every group answer locally while keeping its live
@@ -53,6 +61,7 @@ import socket
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -76,13 +85,15 @@ from torch._C._distributed_c10d import (
     _create_work_from_future,
 )
 
-from . import job_secret
+from . import job_secret, nccl_transport
+from .failures import ABANDONED_MARKER
 from .pending_work import PendingWork
 from .rendezvous_store import InterruptibleStore
 from .signed_store import SignedStore
 
 __all__ = [
     "BACKEND_NAME",
+    "InnerBackends",
     "RebuildableProcessGroup",
     "groups",
     "hold",
@@ -93,6 +104,33 @@ __all__ = [
 ]
 
 BACKEND_NAME = "torchpass"
+"""The registered c10d backend of groups whose tensors, CPU and CUDA, go over gloo."""
+
+
+@dataclass(frozen=True)
+class InnerBackends:
+    """Which inner backend carries each device type's tensors (None: that device type is not served)."""
+
+    cpu: str | None
+    cuda: str | None
+
+    @property
+    def uses_gloo(self) -> bool:
+        return "gloo" in (self.cpu, self.cuda)
+
+    @property
+    def name(self) -> str:
+        """The backend name frameworks see (``dist.get_backend``, ``getBackendName``)."""
+        return "nccl" if self.cuda == "nccl" else "gloo"
+
+
+# One registered c10d name per kind of group, so that ``new_group`` without a backend
+# (it reuses the world's registered name) builds the same inner backends as the world.
+_KINDS: dict[str, InnerBackends] = {
+    BACKEND_NAME: InnerBackends(cpu="gloo", cuda="gloo"),
+    f"{BACKEND_NAME}_nccl": InnerBackends(cpu=None, cuda="nccl"),
+    f"{BACKEND_NAME}_mixed": InnerBackends(cpu="gloo", cuda="nccl"),
+}
 
 _registry_lock = threading.Lock()
 _registry: list[weakref.ReferenceType["RebuildableProcessGroup"]] = []
@@ -153,31 +191,71 @@ def _connected_sockets() -> dict[int, tuple[str, tuple[Any, ...], tuple[Any, ...
 
 
 class _Transport:
-    """One generation's inner gloo group and the sockets it owns."""
+    """One generation's inner groups of one rebuildable group: gloo (and the sockets it owns), NCCL, or both."""
 
     def __init__(
-        self, name: str, store: dist.Store, rank: int, size: int, connect_timeout: timedelta, op_timeout: timedelta
+        self,
+        name: str,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        connect_timeout: timedelta,
+        op_timeout: timedelta,
+        inner: InnerBackends,
+        global_ranks: Sequence[int],
     ):
-        with socket_creation_lock:
-            before = _connected_sockets()
-            self.backend = ProcessGroupGloo(store, rank, size, connect_timeout)
-            after = _connected_sockets()
-        self.backend._set_default_timeout(op_timeout)
-        self.sockets = {
-            fd: link
-            for fd, (link, local, peer) in after.items()
-            if before.get(fd, (None,))[0] != link
-            and peer[1] not in _not_gloo_peer_ports
-            and local[1] not in _not_gloo_local_ports
-        }
+        self.name = name
+        self.inner = inner
         self.group = dist.ProcessGroup(store, rank, size)
-        self.group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.backend)
-        self.group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        self.gloo: Any = None
+        self.sockets: dict[int, str] = {}
+        if inner.uses_gloo:
+            with socket_creation_lock:
+                before = _connected_sockets()
+                self.gloo = ProcessGroupGloo(store, rank, size, connect_timeout)
+                after = _connected_sockets()
+            self.gloo._set_default_timeout(op_timeout)
+            self.sockets = {
+                fd: link
+                for fd, (link, local, peer) in after.items()
+                if before.get(fd, (None,))[0] != link
+                and peer[1] not in _not_gloo_peer_ports
+                and local[1] not in _not_gloo_local_ports
+            }
+        self.nccl: Any = None
+        if inner.cuda == "nccl":
+            self.nccl = nccl_transport.connect(dist.PrefixStore("nccl/", store), rank, size, op_timeout, name, global_ranks)
+        for device, kind in (("cpu", inner.cpu), ("cuda", inner.cuda)):
+            if kind is not None:
+                self.group._register_backend(torch.device(device), *self.backend_of(kind))
+        self.group._set_default_backend(self.backend_of(inner.cuda if inner.cpu is None else inner.cpu)[0])
         self.pending = PendingWork(name)
         self.released = False
 
-    def release(self, reason: str) -> int:
-        """Shut down this transport's sockets and fail its pending collectives; returns the sockets shut down."""
+    def backend_of(self, kind: str | None) -> tuple[dist.ProcessGroup.BackendType, Any]:
+        if kind == "nccl":
+            return dist.ProcessGroup.BackendType.NCCL, self.nccl
+        return dist.ProcessGroup.BackendType.GLOO, self.gloo
+
+    @property
+    def backend(self) -> Any:
+        """The inner backend c10d sees first (gloo where there is one)."""
+        return self.gloo if self.gloo is not None else self.nccl
+
+    def run(self, name: str, args: tuple[Any, ...]) -> dist.Work:
+        """Issue ``name`` on the inner group; gloo's works are tracked, NCCL's returned as they are."""
+        device = _cuda_device(args)
+        if self.nccl is not None and device is not None:
+            if self.released:
+                raise RuntimeError(f"{ABANDONED_MARKER}: group {self.name!r}: this generation's NCCL communicators were aborted")
+            return getattr(self.group, name)(*args)
+        return self.pending.run(lambda: getattr(self.group, name)(*args), device)
+
+    def release(self, reason: str, *, nccl_aborted: bool = False) -> int:
+        """Abort its NCCL communicator (unless the caller aborted it with others), shut down gloo's
+        sockets and fail gloo's pending collectives; returns the sockets shut down."""
+        if self.nccl is not None and not nccl_aborted and not self.released:
+            nccl_transport.abort_together([self.nccl])
         self.released = True
         count = self._shut_down_sockets()
         self.pending.abandon(reason)
@@ -247,6 +325,17 @@ class _Graveyard:
 _graveyard = _Graveyard()
 
 
+def _cuda_device(args: Any) -> torch.device | None:
+    """The device of a collective's first tensor argument when it is a CUDA tensor, else None."""
+    if isinstance(args, torch.Tensor):
+        return args.device if args.device.type == "cuda" else None
+    if isinstance(args, (list, tuple)):
+        for a in args:
+            if isinstance(a, (torch.Tensor, list, tuple)):
+                return _cuda_device(a)
+    return None
+
+
 def _completed(result: Any) -> dist.Work:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(result)
@@ -297,8 +386,17 @@ def _exchange_local(
 class RebuildableProcessGroup(dist.ProcessGroup):
     """A c10d group whose transport can be released and rebuilt without replacing the object."""
 
-    def __init__(self, rank: int, size: int, name: str, global_ranks: Sequence[int], op_timeout: timedelta):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        name: str,
+        global_ranks: Sequence[int],
+        op_timeout: timedelta,
+        inner: InnerBackends = _KINDS[BACKEND_NAME],
+    ):
         super().__init__(rank, size)
+        self.inner = inner
         self._rank = rank
         self._size = size
         self._name = name
@@ -315,7 +413,7 @@ class RebuildableProcessGroup(dist.ProcessGroup):
     def getBackendName(self) -> str:
         # c10d maps this name to the registered backend type it looks up (DDP's
         # logger does): the fake placeholder of a never-live spare is CUSTOM.
-        return "gloo" if self.generation >= 0 else BACKEND_NAME
+        return self.inner.name if self.generation >= 0 else BACKEND_NAME
 
     @property
     def group_name(self) -> str:
@@ -335,7 +433,11 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         return self._transport is None
 
     def _get_backend(self, device: Any) -> Any:
-        return self._transport.backend if self._transport is not None else super()._get_backend(device)
+        transport = self._transport
+        if transport is None:
+            return super()._get_backend(device)
+        kind = self.inner.cuda if torch.device(device).type == "cuda" else self.inner.cpu
+        return transport.backend_of(kind)[1]
 
     def __repr__(self) -> str:
         mode = "local" if self.is_local else f"generation {self.generation}"
@@ -344,11 +446,15 @@ class RebuildableProcessGroup(dist.ProcessGroup):
     # ---- lifecycle ------------------------------------------------------
     def connect(self, store: dist.Store, generation: int, connect_timeout: timedelta) -> None:
         """Build this generation's transport; the previous one must have been released."""
-        transport = _Transport(self._name, store, self._rank, self._size, connect_timeout, self._op_timeout)
+        transport = _Transport(
+            self._name, store, self._rank, self._size, connect_timeout, self._op_timeout, self.inner, self.global_ranks
+        )
         if self._transport is None and self.generation < 0:
             # The first live transport becomes the c10d-registered backend (see module docstring).
-            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, transport.backend)
-            self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+            for device, kind in (("cpu", self.inner.cpu), ("cuda", self.inner.cuda)):
+                if kind is not None:
+                    self._register_backend(torch.device(device), *transport.backend_of(kind))
+            self._set_default_backend(transport.backend_of(self.inner.cpu or self.inner.cuda)[0])
         if self._transport is not None:
             _graveyard.bury(self._transport)
         self._transport = transport
@@ -362,15 +468,17 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         self._transport = None
         if self.generation < 0:
             fake = FakeProcessGroup._create_internal(self._rank, self._size)
-            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, fake)
+            for device, kind in (("cpu", self.inner.cpu), ("cuda", self.inner.cuda)):
+                if kind is not None:
+                    self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, fake)
             self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
-    def release(self) -> int:
+    def release(self, *, nccl_aborted: bool = False) -> int:
         """Unblock any pending collective on the current transport; safe from any thread."""
         transport = self._transport
         if transport is None or transport.released:
             return 0
-        return transport.release(f"generation {self.generation} ended")
+        return transport.release(f"generation {self.generation} ended", nccl_aborted=nccl_aborted)
 
     def script_broadcasts(self, payloads: Sequence[torch.Tensor]) -> None:
         """In local mode, make the next broadcasts deliver ``payloads`` as if sent by the root.
@@ -388,7 +496,7 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         if transport is not None and not _held:
             if before_collective is not None:
                 before_collective()
-            return transport.pending.run(lambda: getattr(transport.group, name)(*args))
+            return transport.run(name, args)
         return _completed(local())
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
@@ -530,6 +638,8 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         transport = self._transport
         if transport is None:
             return _completed([])
+        if transport.nccl is not None and torch.device(device).type == "cuda":
+            return transport.group._end_coalescing(device)
         return transport.pending.run(lambda: transport.group._end_coalescing(device))
 
 
@@ -540,51 +650,76 @@ def _allreduce_opts(op: Any) -> AllreduceOptions:
     return opts
 
 
-def _create(dist_opts: Any, backend_options: Any) -> RebuildableProcessGroup:
-    del backend_options  # gloo options are fixed by torchpass; the group timeout is honoured below
-    timeout = dist_opts.timeout if isinstance(dist_opts.timeout, timedelta) else timedelta(seconds=float(dist_opts.timeout))
-    group = RebuildableProcessGroup(
-        dist_opts.group_rank,
-        dist_opts.group_size,
-        dist_opts.group_id,
-        list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size)),
-        timeout,
-    )
-    if _local_by_default:
-        group.go_local()
-    else:
-        # Generation 0 meets through torch's default store: in a worker, sealed like every torchpass value.
-        secret = job_secret.worker_secret()
-        group.connect(SignedStore(dist_opts.store, secret) if secret else dist_opts.store, 0, timeout)
-    return group
+def _creator(inner: InnerBackends) -> Callable[[Any, Any], RebuildableProcessGroup]:
+    def create(dist_opts: Any, backend_options: Any) -> RebuildableProcessGroup:
+        del backend_options  # inner options are fixed by torchpass (NCCL: nonblocking); the group timeout is honoured
+        timeout = dist_opts.timeout if isinstance(dist_opts.timeout, timedelta) else timedelta(seconds=float(dist_opts.timeout))
+        group = RebuildableProcessGroup(
+            dist_opts.group_rank,
+            dist_opts.group_size,
+            dist_opts.group_id,
+            list(dist_opts.global_ranks_in_group) or list(range(dist_opts.group_size)),
+            timeout,
+            inner,
+        )
+        if _local_by_default:
+            group.go_local()
+        else:
+            # Generation 0 meets through torch's default store: in a worker, sealed like every torchpass value.
+            secret = job_secret.worker_secret()
+            group.connect(SignedStore(dist_opts.store, secret) if secret else dist_opts.store, 0, timeout)
+        return group
+
+    return create
 
 
-_REWRITES = {"gloo": BACKEND_NAME, "cpu:gloo": BACKEND_NAME, BACKEND_NAME: BACKEND_NAME}
+_create = _creator(_KINDS[BACKEND_NAME])
+"""The creator of gloo-only groups (tests build groups through it without c10d)."""
+
+_NCCL_NAME, _MIXED_NAME = f"{BACKEND_NAME}_nccl", f"{BACKEND_NAME}_mixed"
+_REWRITES = {
+    "gloo": BACKEND_NAME,
+    "cpu:gloo": BACKEND_NAME,
+    "cpu:gloo,cuda:gloo": BACKEND_NAME,
+    "nccl": _NCCL_NAME,
+    "cuda:nccl": _NCCL_NAME,
+    "cpu:gloo,cuda:nccl": _MIXED_NAME,
+    "cuda:nccl,cpu:gloo": _MIXED_NAME,
+    **{name: name for name in _KINDS},
+}
 # "fake" groups never communicate (TorchTitan uses them for size-1 mesh dimensions):
 # there is nothing to rebuild, so they stay as they are.
-_KEEP = ("undefined", "fake")
+_KEEP = ("fake",)
 
 
 def _rewrite_backend(backend: Any) -> Any:
     if backend is None:
         return None
-    key = str(backend).lower()
+    key = str(backend).lower().replace(" ", "")
     if key in _KEEP:
         return backend
+    if key == "undefined":
+        # torch's own default: gloo for CPU, and NCCL for CUDA where this build has it.
+        return _MIXED_NAME if torch.cuda.is_available() and nccl_transport.available() else BACKEND_NAME
     if key in _REWRITES:
-        return _REWRITES[key]
+        name = _REWRITES[key]
+        if _KINDS[name].cuda == "nccl" and not nccl_transport.available():
+            raise RuntimeError(f"torchpass: backend {str(backend)!r} asks for NCCL, which this torch build does not have")
+        return name
     raise RuntimeError(
         f"torchpass: process groups on backend {str(backend)!r} cannot be rebuilt; this release supports "
-        f"'gloo' (CPU). Launch without torchpass, or train on CPU with gloo."
+        f"'gloo' (CPU and CUDA tensors), 'nccl' and 'cpu:gloo,cuda:nccl'. Launch without torchpass, or use one of those."
     )
 
 
 def install() -> None:
-    """Register the ``torchpass`` backend and route gloo group creation to it (idempotent)."""
+    """Register the ``torchpass`` backends and route gloo and NCCL group creation to them (idempotent)."""
     global _installed
     if _installed:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu"])
+    for name, inner in _KINDS.items():
+        devices = [device for device, kind in (("cpu", inner.cpu), ("cuda", inner.cuda)) if kind is not None]
+        dist.Backend.register_backend(name, _creator(inner), extended_api=True, devices=devices)
     dist.Backend.default_device_backend_map["cpu"] = BACKEND_NAME
     original: Callable[..., Any] = c10d._new_process_group_helper
 
@@ -604,7 +739,10 @@ def release_generation(generation: int) -> int:
     global _released_through
     with _released_lock:
         _released_through = max(_released_through, generation)
-    return sum(g.release() for g in groups() if g.generation <= generation)
+    ending = [g for g in groups() if g.generation <= generation]
+    # Every NCCL communicator of the generation in one group call: one by one can deadlock (nccl_transport).
+    nccl_transport.abort_together([t.nccl for g in ending if (t := g._transport) is not None and t.nccl is not None and not t.released])
+    return sum(g.release(nccl_aborted=True) for g in ending)
 
 
 _released_lock = threading.Lock()

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import job_secret
+from . import devices, job_secret, nccl_transport
 from .agent import Agent, NodeSpec
 from .gpu_health import GpuHealthSource, GpuThresholds, probe_nvml, gpu_handles
 from .kubernetes_signals import KubernetesSource, default_namespace, in_cluster, kubernetes_available
@@ -51,7 +51,10 @@ class LaunchError(Exception):
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("torchrun-compatible options")
     g.add_argument("--nnodes", default=None, help="number of nodes, or MIN:MAX with MIN == MAX (default: srun's step, else 1)")
-    g.add_argument("--nproc-per-node", "--nproc_per_node", default="1", help="active workers per node: an integer, 'cpu' or 'auto'")
+    g.add_argument(
+        "--nproc-per-node", "--nproc_per_node", default="1",
+        help="active workers per node: an integer, 'gpu' (the GPUs the spares leave), 'cpu' or 'auto' (gpu, else cpu)",
+    )
     g.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's rank; node 0 hosts the store (default: srun's, else 0)")
     g.add_argument("--master-addr", "--master_addr", default=None, help="address of node 0 (default: srun's first node, else 127.0.0.1)")
     g.add_argument("--master-port", "--master_port", type=int, default=29500, help="port of the store on node 0")
@@ -232,10 +235,17 @@ def _launch(args: argparse.Namespace) -> int:
     config = _config(args)
     _placement_from_slurm(args)
     nnodes = _nnodes(args.nnodes)
-    nproc = _int_or(str(args.nproc_per_node), "--nproc-per-node", os.cpu_count() or 1)
     spares = config.spares_per_node if args.spares_per_node is None else args.spares_per_node
     if spares < 0:
         raise LaunchError(f"--spares-per-node: got {spares}; expected an integer >= 0")
+    gpus = devices.gpu_count()
+    try:
+        nproc = devices.nproc_per_node(str(args.nproc_per_node), spares, gpus, os.cpu_count() or 1)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    for note in (devices.sharing_note(nproc, spares, gpus), nccl_transport.check_environment(os.environ) if gpus else None):
+        if note:
+            print(f"torchpass launch: {note}", flush=True)
     if not 0 <= args.node_rank < nnodes:
         raise LaunchError(f"--node-rank: got {args.node_rank}; expected 0..{nnodes - 1} for --nnodes {nnodes}")
     if args.no_python:

@@ -30,6 +30,7 @@ import torch
 
 from . import safe_pickle
 from .checksum import CHUNK_BYTES, CrcTable, chunk_grid
+from .cuda_staging import stage_to_host
 
 __all__ = [
     "TensorEntry",
@@ -122,11 +123,14 @@ def capture(components: Mapping[str, Any], state_classes: Mapping[str, str], ver
 
     ``state_classes`` maps a component name to its state class (see
     :mod:`torchpass.core.topology`); components without an entry are ``"small"``.
-    Non-contiguous tensors are the only ones copied (listed in :attr:`Captured.private`).
+    Non-contiguous tensors and CUDA tensors are the only ones copied (listed in
+    :attr:`Captured.private`): a CUDA tensor is staged into pinned host memory
+    (:mod:`torchpass.core.cuda_staging`), all of a capture's in one pass.
     """
     entries: list[TensorEntry] = []
     tensors: list[torch.Tensor] = []
     private: set[int] = set()
+    on_device: list[int] = []
 
     def walk(obj: Any, path: str, cls: str) -> Any:
         if isinstance(obj, torch.Tensor):
@@ -136,11 +140,13 @@ def capture(components: Mapping[str, Any], state_classes: Mapping[str, str], ver
                     "(an adapter converts DTensors to their local shards first)"
                 )
             t = obj.detach()
-            if t.device.type != "cpu":
-                raise TypeError(f"state entry {path!r} is on {t.device}; torchpass transfers CPU state in this release")
+            if t.device.type not in ("cpu", "cuda"):
+                raise TypeError(f"state entry {path!r} is on {t.device}; torchpass captures CPU and CUDA state")
             if not t.is_contiguous():
                 t = t.contiguous()
                 private.add(len(tensors))
+            if t.device.type == "cuda":
+                on_device.append(len(tensors))
             entries.append(TensorEntry(path, _dtype_name(t.dtype), tuple(t.shape), t.numel() * t.element_size(), cls))
             tensors.append(t)
             return _Ref(len(tensors) - 1)
@@ -153,6 +159,10 @@ def capture(components: Mapping[str, Any], state_classes: Mapping[str, str], ver
         return obj
 
     skeleton = {name: walk(value, name, state_classes.get(name, "small")) for name, value in components.items()}
+    if on_device:
+        for i, host in zip(on_device, stage_to_host([tensors[i] for i in on_device])):
+            tensors[i] = host
+        private.update(on_device)
     manifest = Manifest(entries, safe_pickle.dumps(skeleton), version, dict(meta or {}))
     return Captured(manifest, tensors, private=frozenset(private))
 

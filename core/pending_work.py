@@ -101,10 +101,11 @@ class TrackedWork(dist.Work):
     collectives); the other methods serve Python callers.
     """
 
-    def __init__(self, inner: dist.Work | None, pending: "PendingWork"):
+    def __init__(self, inner: dist.Work | None, pending: "PendingWork", device: torch.device | None = None):
         super().__init__()
         self._inner = inner
         self._pending = pending
+        self._device = device
         self._gloo_future = _future_or_none(inner)
         self._fut: torch.futures.Future | None = None
 
@@ -132,7 +133,7 @@ class TrackedWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         if self._fut is None:
-            self._fut = self._pending.future_of(self._inner, self._gloo_future)
+            self._fut = self._pending.future_of(self._inner, self._gloo_future, self._device)
         return self._fut
 
     def is_completed(self) -> bool:
@@ -156,7 +157,9 @@ class TrackedWork(dist.Work):
         return self._inner.result()
 
     def synchronize(self) -> None:
-        """CPU collectives have no stream to synchronize with."""
+        """Make the current stream wait for a CUDA collective's copies (gloo's own; a CPU one has none)."""
+        if self._inner is not None and self._device is not None:
+            self._inner.synchronize()
 
 
 class PendingWork:
@@ -173,11 +176,14 @@ class PendingWork:
         self._issued: list[dist.Work] = []
         """gloo works issued and not yet seen completed (pruned as it grows; see ``quiet``)."""
 
-    def run(self, issue: Callable[[], dist.Work]) -> TrackedWork:
-        """Issue a collective (nothing is issued on an abandoned transport: its sockets are gone)."""
+    def run(self, issue: Callable[[], dist.Work], device: torch.device | None = None) -> TrackedWork:
+        """Issue a collective (nothing is issued on an abandoned transport: its sockets are gone).
+
+        ``device``: the CUDA device of the collective's tensors, if any; its future then carries
+        CUDA events, so a consumer's stream waits for gloo's copies back to the device."""
         if self.abandoned is not None:
-            return TrackedWork(None, self)
-        work = TrackedWork(issue(), self)
+            return TrackedWork(None, self, device)
+        work = TrackedWork(issue(), self, device)
         if work._gloo_future is not None:
             # The others (send, recv, reduce-scatter) are waited on by the waiter thread, which
             # quiet() waits for; holding them here too made reduce-scatter 4x slower (measured).
@@ -221,10 +227,17 @@ class PendingWork:
     # that one holds the exception as its *value* for C++, and DDP's reducer, reading tensors out
     # of it, crashes the process (measured: SIGSEGV in backward). An exception raised inside a
     # then() callback is a real error to C++ and to Python alike.
-    def future_of(self, inner: dist.Work | None, gloo_future: torch.futures.Future | None) -> torch.futures.Future:
+    def future_of(
+        self, inner: dist.Work | None, gloo_future: torch.futures.Future | None, device: torch.device | None = None
+    ) -> torch.futures.Future:
         """A future that completes with ``inner`` (through ``gloo_future`` when gloo gives one), or fails once
-        the transport is abandoned."""
-        trigger: torch.futures.Future = torch.futures.Future()
+        the transport is abandoned.
+
+        For a CUDA collective (``device``) the future is CUDA-aware: it is completed from gloo's callback,
+        whose current stream waits for gloo's events, and records events there that a consumer's
+        ``wait()`` makes its own stream wait for. A plain future would hand out tensors whose
+        copy back to the device may still be running."""
+        trigger: torch.futures.Future = torch.futures.Future(devices=[device]) if device is not None else torch.futures.Future()
         fut = trigger.then(_outcome)
         with self._lock:
             live = inner is not None and self.abandoned is None

@@ -9,6 +9,11 @@ Capture runs twice per step on the training thread and its result is
 serialized once per step off it, so every stream is kept as plain bytes:
 pickling 625 Python ints costs ~10x more than their bytes, and a torch tensor
 ~5x more than its bytes (50 us against 10 us for the 5 KB CPU generator).
+
+CUDA: only the generator of the *current* device travels. A spare that takes
+over rank r runs on its own GPU (see :mod:`torchpass.core.devices`), so the
+state rank r's device generator had must land on the device the spare's
+framework selected with ``set_device``, not on rank r's device index.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def capture_rng() -> dict[str, Any]:
         "torch": torch.get_rng_state().numpy().tobytes(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
     return state
 
 
@@ -57,7 +62,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((kind, np.frombuffer(key, dtype=np.uint32).copy(), pos, has_gauss, cached))
     torch.set_rng_state(torch.frombuffer(bytearray(state["torch"]), dtype=torch.uint8))
     if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(torch.frombuffer(bytearray(state["cuda"]), dtype=torch.uint8))
 
 
 def rng_digest(state: dict[str, Any]) -> str:
@@ -66,8 +71,7 @@ def rng_digest(state: dict[str, Any]) -> str:
     h.update(pickle.dumps(state["python"]))
     h.update(pickle.dumps(state["numpy"]))
     h.update(state["torch"])
-    for t in state.get("cuda", []):
-        h.update(t.numpy().tobytes())
+    h.update(state.get("cuda", b""))
     if "provider" in state:
         h.update(pickle.dumps(state["provider"]))
     return h.hexdigest()[:32]

@@ -9,8 +9,9 @@
 3. activate the installed framework integrations
    (:mod:`torchpass.core.integrations`), which hook a framework when the
    script imports it, so an unmodified script is migratable;
-4. a spare imports the modules the script imports (so it is warm), then
-   waits for an assignment; once it has a rank it sets the environment
+4. a spare makes its CUDA context on its own GPU where its slot has one
+   (:func:`torchpass.core.devices.warm_spare`) and imports the modules the
+   script imports (so it is warm), then waits for an assignment; once it has a rank it sets the environment
    ``torchrun`` would have given that rank and makes new process groups start
    local;
 5. run the training script as ``__main__``. An uncaught exception is written
@@ -33,7 +34,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from . import comms, integrations, liveness, runtime
+from . import comms, devices, integrations, liveness, runtime
 
 __all__ = ["main"]
 
@@ -110,6 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     # ConfigManager binds it as a default) sees the same in a spare's preload as in the script.
     sys.argv = [target, *args]
     if rt.role == "spare":
+        devices.warm_spare(int(os.environ["LOCAL_RANK"]))
         _preload(target, is_module)
         _become_rank(rt.wait_for_assignment())
         comms.set_local_mode_default(True)

@@ -265,18 +265,40 @@ def test_rewrite_maps_gloo_to_torchpass(backend):
     assert comms._rewrite_backend(backend) == comms.BACKEND_NAME
 
 
-def test_rewrite_passes_none_and_undefined_through():
+def test_rewrite_passes_none_through_and_gives_undefined_torchs_default():
     assert comms._rewrite_backend(None) is None
-    assert comms._rewrite_backend("undefined") == "undefined"
+    # torch's default is gloo for CPU plus NCCL for CUDA where both exist; this machine has neither CUDA nor NCCL.
+    expected = "torchpass_mixed" if torch.cuda.is_available() and dist.is_nccl_available() else comms.BACKEND_NAME
+    assert comms._rewrite_backend("undefined") == expected
 
 
-@pytest.mark.parametrize("backend", ["nccl", "cuda:nccl", "cpu:gloo,cuda:nccl", "mpi"])
+@pytest.mark.parametrize(
+    "backend, name",
+    [("nccl", "torchpass_nccl"), ("cuda:nccl", "torchpass_nccl"), ("cpu:gloo,cuda:nccl", "torchpass_mixed"), ("cpu:gloo, cuda:nccl", "torchpass_mixed")],
+)
+def test_rewrite_maps_nccl_requests_to_their_kind(backend, name):
+    if dist.is_nccl_available():
+        assert comms._rewrite_backend(backend) == name
+    else:
+        with pytest.raises(RuntimeError, match=f"backend {backend!r} asks for NCCL, which this torch build does not have"):
+            comms._rewrite_backend(backend)
+
+
+@pytest.mark.parametrize("name, cpu, cuda, shown", [("torchpass", "gloo", "gloo", "gloo"), ("torchpass_nccl", None, "nccl", "nccl"), ("torchpass_mixed", "gloo", "nccl", "nccl")])
+def test_each_registered_name_is_one_kind_of_inner_backends(name, cpu, cuda, shown):
+    inner = comms._KINDS[name]
+    assert (inner.cpu, inner.cuda, inner.name) == (cpu, cuda, shown)
+    if cuda != "nccl" or dist.is_nccl_available():
+        assert comms._rewrite_backend(name) == name
+
+
+@pytest.mark.parametrize("backend", ["mpi", "ucc", "cpu:mpi", "cuda:ucc"])
 def test_rewrite_rejects_backends_it_cannot_rebuild(backend):
     with pytest.raises(RuntimeError) as info:
         comms._rewrite_backend(backend)
     message = str(info.value)
     assert f"backend {backend!r} cannot be rebuilt" in message
-    assert "supports 'gloo' (CPU)" in message
+    assert "'gloo' (CPU and CUDA tensors), 'nccl' and 'cpu:gloo,cuda:nccl'" in message
 
 
 # ---- install(), in a fresh interpreter (it patches c10d for the whole process) ---------------

@@ -1,4 +1,4 @@
-"""The DDP reference job of the end-to-end tests (plain PyTorch, CPU, gloo).
+"""The DDP reference job of the end-to-end tests (plain PyTorch, CPU, gloo; ``--device cuda`` puts it on GPU 0).
 
 Dropout, AdamW with weight decay, a warm-up LR schedule and a shuffled
 DistributedSampler: every piece of state a migration must carry over; with
@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d after the first layer (per-rank running statistics)")
     p.add_argument("--no-broadcast-buffers", action="store_true", help="DDP(broadcast_buffers=False): ranks' buffers never sync")
     p.add_argument("--pg-timeout-s", type=float, default=0.0, help="the process group's timeout (0: torch's default)")
+    p.add_argument("--device", default="cpu", help="'cuda': model, optimizer and data on GPU 0 of every rank (gloo carries CUDA tensors)")
     p.add_argument("--bug-at", default="", help="RANK:STEP: that rank raises a script error mentioning gloo at that step, every time")
     args = p.parse_args()
     work = Path(args.workdir)
@@ -58,6 +59,8 @@ def main() -> None:
     loader = DataLoader(data, batch_size=8, sampler=DistributedSampler(data, world, rank, shuffle=True, seed=3))
     norm = [torch.nn.BatchNorm1d(64)] if args.batchnorm else []
     net = torch.nn.Sequential(torch.nn.Linear(16, 64), *norm, torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1))
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    net = net.to(device)
     local_buffers = {"broadcast_buffers": False} if args.no_broadcast_buffers else {}  # passing it at all warns in torch 2.13
     model = DistributedDataParallel(net, bucket_cap_mb=args.bucket_cap_mb, **local_buffers)
     if args.zero:
@@ -75,7 +78,7 @@ def main() -> None:
             if rank == bug_rank and step.number == bug_step:
                 # A script bug whose message looks like a transport failure: no spare can fix it.
                 raise RuntimeError("gloo: the script passed tensors of mismatched sizes to all_reduce (test bug)")
-            xb, yb = step.batch()
+            xb, yb = (t.to(device) for t in step.batch())
             loss = torch.nn.functional.mse_loss(model(xb), yb)
             # Recorded before the optimizer step: a process killed after committing
             # this step (the survivors then resume after it) has logged it already.
