@@ -40,9 +40,12 @@ def test_capture_stages_cuda_tensors_into_pinned_host_copies_and_restores_bitwis
     model, opt = _trained(0)
     components = {"model": model.state_dict(), "optimizer": opt.state_dict()}
     captured = capture(components, {"model": "replicated", "optimizer": "replicated"}, version=3)
-    assert all(t.device.type == "cpu" and t.is_pinned() for t in captured.tensors if t.numel())
-    cuda_indices = {i for i, t in enumerate(components["model"].values())}
-    assert cuda_indices <= set(captured.private)
+    assert all(t.device.type == "cpu" for t in captured.tensors)
+    # Every CUDA tensor (the model's, Adam's moments) is a pinned copy; Adam's step counters were host tensors already.
+    on_device = [i for i, e in enumerate(captured.manifest.entries) if not e.name.endswith("/step")]
+    assert len(on_device) == len(captured.tensors) - len(opt.state)
+    assert all(captured.tensors[i].is_pinned() for i in on_device)
+    assert set(on_device) <= set(captured.private)
     # What a receiver gets: the staged bytes, loaded onto its own device by the framework's load_state_dict.
     received = rebuild(captured.manifest, [t.clone() for t in captured.tensors])
     fresh, fresh_opt = _trained(1)
@@ -85,3 +88,10 @@ def test_staging_throughput_against_a_bare_copy(mib: int) -> None:
         with open(Path(folder, "staging.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
     assert figures.staged_gbps > 0 and figures.memcpy_pinned_gbps > 0
+
+
+def test_a_spare_makes_its_cuda_context_on_its_own_gpu_while_it_waits() -> None:
+    from torchpass.core.devices import warm_spare
+
+    assert warm_spare(0) is True
+    assert torch.cuda.is_initialized() and torch.cuda.current_device() == 0

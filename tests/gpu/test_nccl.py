@@ -40,17 +40,31 @@ def _probe(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(PROBE), *args], cwd=REPO, env={**os.environ, **(env or {})})
 
 
-def test_world_of_one_aborts_and_rebuilds_under_the_same_group_object(tmp_path: Path) -> None:
+@pytest.mark.parametrize("monitoring", ["default", "off"])
+def test_world_of_one_aborts_and_rebuilds_under_the_same_group_object(tmp_path: Path, monitoring: str) -> None:
+    """Timed twice: as torch starts it, and without the heartbeat monitor thread that abort joins."""
     out = tmp_path / "rebuild.json"
-    proc = _probe("rebuild", str(free_port()), str(out))
+    proc = _probe("rebuild", str(free_port()), str(out), env={"TORCH_NCCL_ENABLE_MONITORING": "0"} if monitoring == "off" else {})
     assert proc.wait(timeout=240) == 0
     report = json.loads(out.read_text())
-    _record("nccl_rebuild", report)
+    _record(f"nccl_rebuild_monitoring_{monitoring}", report)
     assert report["same_group_object"] and report["new_inner_backend"]
     assert "aborted" in report["refused_after_release"]
     assert report["value_after_rebuild"] == 3.0
     assert report["generation"] == 1
     assert report["backend_name"] == "torchpass_nccl" and report["group_backend_name"] == "nccl"
+
+
+def test_ddp_fsdp2_and_functional_collectives_run_on_across_a_rebuild(tmp_path: Path) -> None:
+    out = tmp_path / "frameworks.json"
+    proc = _probe("frameworks", str(free_port()), str(out))
+    assert proc.wait(timeout=240) == 0
+    report = json.loads(out.read_text())
+    _record("nccl_frameworks", report)
+    assert report["generation"] == 1 and report["mesh_group_is_rebuildable"]
+    assert report["functional"] == [0.0, 1.0, 2.0, 3.0]
+    digests = report["digests"]
+    assert digests["ddp"] == digests["plain"] and digests["fsdp2"] == digests["plain"], digests
 
 
 def _nccl_version() -> tuple[int, ...]:
