@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from .cuda_staging import stage_to_host
 from .manifest import Captured, capture, rebuild
 from .transfer import Address, TransferError, push_state
 
@@ -117,16 +118,25 @@ def _layout_key(captured: Captured) -> tuple[Any, ...]:
 def _copy_into(captured: Captured, buffers: list[torch.Tensor] | None) -> Captured:
     """A snapshot of ``captured`` in ``buffers`` (new ones when None): each byte copied once.
 
-    Tensors the capture already copied (non-contiguous live ones) are taken as they are.
+    Tensors the capture already copied (non-contiguous live ones) are taken as they are. Live CUDA
+    tensors are staged into pinned host buffers as they were at the capture's events
+    (:mod:`torchpass.core.cuda_staging`).
     """
     if buffers is not None and len(buffers) != len(captured.tensors):
         buffers = None
     out = []
+    on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i, src in enumerate(captured.tensors):
-        if i in captured.private:
+        if src.device.type == "cuda":
+            dst = buffers[i] if buffers is not None else torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            on_device.append((src, dst))
+            out.append(dst)
+        elif i in captured.private:
             out.append(src)
         else:
             out.append((torch.empty_like(src) if buffers is None else buffers[i]).copy_(src))
+    if on_device:
+        stage_to_host([s for s, _ in on_device], into=[d for _, d in on_device], after=captured.device_events)
     return Captured(captured.manifest, out)
 
 

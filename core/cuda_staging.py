@@ -12,9 +12,16 @@ CUDA tensor into page-locked (pinned) host memory:
 3. one event per device is waited on before the copies are handed out.
 
 The training stream never waits on the side stream: only the capturing thread
-waits, and only for its own copies. Pinned memory is what lets the copy run at
-the link's speed and asynchronously; pageable memory would make each copy
-synchronous and bounce through a driver buffer.
+waits, and only for its own copies. A buddy snapshot (:mod:`torchpass.core.buddy`)
+does not make the training thread wait at all: its capture keeps the live CUDA
+tensors with an event per device (:func:`mark_ready`), and the buddy thread
+stages them later, its side stream waiting on those events, while the next
+step's forward and backward run; the gate before that step's optimizer update
+(``wait_copied``) keeps the update from overwriting them first.
+
+Pinned memory is what lets the copy run at the link's speed and asynchronously;
+pageable memory makes each copy synchronous and bounces it through a driver
+buffer (measured on an H200: 1.1-1.3 GB/s pageable against 54 GB/s pinned).
 
 A receiver restores through the framework's own ``load_state_dict`` (or the
 provider's in-place copy), which copies host tensors onto the parameters'
@@ -28,11 +35,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["StagingFigures", "measure", "stage_to_host"]
+__all__ = ["StagingFigures", "mark_ready", "measure", "stage_to_host"]
 
 _streams: dict[int, torch.cuda.Stream] = {}
 
@@ -45,8 +52,23 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def stage_to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Pinned host copies of contiguous CUDA ``tensors`` as they are once the current streams reach this point."""
+def mark_ready(devices: Iterable[torch.device]) -> dict[torch.device, torch.cuda.Event]:
+    """An event on each of ``devices``' current stream: the point a later :func:`stage_to_host` must see."""
+    return {device: torch.cuda.current_stream(device).record_event() for device in devices}
+
+
+def stage_to_host(
+    tensors: Sequence[torch.Tensor],
+    into: Sequence[torch.Tensor] | None = None,
+    after: dict[torch.device, torch.cuda.Event] | None = None,
+) -> list[torch.Tensor]:
+    """Pinned host copies of contiguous CUDA ``tensors``, returned once complete.
+
+    ``into``: pinned host buffers of the same shapes and dtypes to copy into (new ones when None).
+    ``after``: the per-device events (:func:`mark_ready`) the copies wait for, when they are issued
+    from another thread later than the point they must see; by default they see everything queued on
+    the devices' current streams now.
+    """
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.device.type != "cuda":
@@ -58,10 +80,13 @@ def stage_to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     events = []
     for device, indices in by_device.items():
         side = _side_stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
+        if after is not None:
+            side.wait_event(after[device])
+        else:
+            side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for i in indices:
-                host = torch.empty(tensors[i].shape, dtype=tensors[i].dtype, pin_memory=True)
+                host = into[i] if into is not None else torch.empty(tensors[i].shape, dtype=tensors[i].dtype, pin_memory=True)
                 host.copy_(tensors[i], non_blocking=True)
                 out[i] = host
         events.append(side.record_event())

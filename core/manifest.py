@@ -30,7 +30,7 @@ import torch
 
 from . import safe_pickle
 from .checksum import CHUNK_BYTES, CrcTable, chunk_grid
-from .cuda_staging import stage_to_host
+from .cuda_staging import mark_ready, stage_to_host
 
 __all__ = [
     "TensorEntry",
@@ -83,6 +83,8 @@ class Captured:
     private: frozenset[int] = frozenset()
     """Indices of the tensors :func:`capture` copied (the non-contiguous ones): already a copy
     at this version that no live tensor shares, so a snapshot keeps it rather than copy it again."""
+    device_events: dict[torch.device, Any] | None = None
+    """For a capture that kept live CUDA tensors: per device, the point of the stream they must be read at."""
 
     def checksums(self) -> CrcTable:
         """The copy's own CRC table, or a new one over its tensors (CRCs valid while they do not change)."""
@@ -118,7 +120,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def capture(components: Mapping[str, Any], state_classes: Mapping[str, str], version: int, meta: Mapping[str, Any] | None = None) -> Captured:
+def capture(
+    components: Mapping[str, Any],
+    state_classes: Mapping[str, str],
+    version: int,
+    meta: Mapping[str, Any] | None = None,
+    *,
+    device_tensors: str = "stage",
+) -> Captured:
     """Flatten ``components`` (name -> state dict) into a manifest over the live tensors.
 
     ``state_classes`` maps a component name to its state class (see
@@ -126,7 +135,14 @@ def capture(components: Mapping[str, Any], state_classes: Mapping[str, str], ver
     Non-contiguous tensors and CUDA tensors are the only ones copied (listed in
     :attr:`Captured.private`): a CUDA tensor is staged into pinned host memory
     (:mod:`torchpass.core.cuda_staging`), all of a capture's in one pass.
+    ``device_tensors`` says what a CUDA tensor becomes: ``"stage"`` that pinned
+    copy; ``"buffers"`` an empty pinned buffer of its shape (receive buffers,
+    whose contents the transfer overwrites); ``"live"`` the CUDA tensor itself,
+    with :attr:`Captured.device_events` marking the point a later staging must
+    see (a buddy snapshot, staged off the training thread).
     """
+    if device_tensors not in ("stage", "buffers", "live"):
+        raise ValueError(f"capture: device_tensors={device_tensors!r}; expected 'stage', 'buffers' or 'live'")
     entries: list[TensorEntry] = []
     tensors: list[torch.Tensor] = []
     private: set[int] = set()
@@ -159,11 +175,17 @@ def capture(components: Mapping[str, Any], state_classes: Mapping[str, str], ver
         return obj
 
     skeleton = {name: walk(value, name, state_classes.get(name, "small")) for name, value in components.items()}
+    manifest = Manifest(entries, safe_pickle.dumps(skeleton), version, dict(meta or {}))
+    if on_device and device_tensors == "live":
+        return Captured(manifest, tensors, private=frozenset(private - set(on_device)), device_events=mark_ready({tensors[i].device for i in on_device}))
     if on_device:
-        for i, host in zip(on_device, stage_to_host([tensors[i] for i in on_device])):
+        if device_tensors == "stage":
+            hosts = stage_to_host([tensors[i] for i in on_device])
+        else:
+            hosts = [torch.empty(tensors[i].shape, dtype=tensors[i].dtype, pin_memory=True) for i in on_device]
+        for i, host in zip(on_device, hosts):
             tensors[i] = host
         private.update(on_device)
-    manifest = Manifest(entries, safe_pickle.dumps(skeleton), version, dict(meta or {}))
     return Captured(manifest, tensors, private=frozenset(private))
 
 

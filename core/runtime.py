@@ -271,7 +271,7 @@ class Runtime:
             self._mirror_small(self.version, self.copier.small_state(), durable=True)
             self._mirror.flush(self.config.report_timeout_s)
             components, classes = provider.state_components()
-            captured = capture(components, classes, self.version)
+            captured = capture(components, classes, self.version, device_tensors="buffers")  # only its size is read
             if layout.world_size != self.world_size:
                 raise ValueError(
                     f"torchpass: the framework's layout spans {layout.world_size} ranks but the job has "
@@ -464,7 +464,7 @@ class Runtime:
             # The migration that follows snapshots and pushes again once its generation is live.
             print(f"[torchpass] rank {self.rank}: no buddy copy this generation: {exc}", file=sys.stderr, flush=True)
             return
-        self.buddy.start(self.copier.capture(self.version), target)
+        self.buddy.start(self.copier.capture(self.version, device_tensors="live"), target)
 
     def _holder(self) -> BuddyKeeper:
         if self.buddy is None:

@@ -91,12 +91,15 @@ class StateCopier:
             self.provider.load_small_state(rng["provider"])  # type: ignore[attr-defined]
 
     # ---- capture ---------------------------------------------------------------
-    def capture(self, version: int) -> Captured:
-        """Every component and the small state, by reference, at ``version``."""
+    def capture(self, version: int, *, device_tensors: str = "stage") -> Captured:
+        """Every component and the small state, by reference, at ``version``.
+
+        ``device_tensors``: what CUDA tensors become (:func:`~torchpass.core.manifest.capture`): pinned
+        copies, empty pinned receive buffers (``"buffers"``), or themselves for a buddy snapshot (``"live"``)."""
         components, classes = self.provider.state_components()
         components = {**components, SMALL_KEY: self.small_state()}
         classes = {**classes, SMALL_KEY: SMALL_CLASS}
-        return capture(components, classes, version, meta={"classes": classes})
+        return capture(components, classes, version, meta={"classes": classes}, device_tensors=device_tensors)
 
     # ---- loading a plan --------------------------------------------------------
     def apply(self, plan: Plan, timings: Timings, *, joining: bool, defer_small: bool = False) -> dict[str, Any] | None:
@@ -162,7 +165,7 @@ class StateCopier:
                 timeout=self.config.rebuild_timeout_s,
                 verify_replicas=self.config.verify_replicas,
                 state_classes=classes,
-                into=self.capture(target),
+                into=self.capture(target, device_tensors="buffers"),
                 pool=self._pool(),
                 secret=self._secret,
             )
@@ -180,7 +183,7 @@ class StateCopier:
             raise TransferError(f"rank {self.rank} has no snapshot of step {target} any more")
         # Copy out of the snapshot: loading it directly would make live optimizer
         # state alias snapshot buffers that later snapshots overwrite.
-        mine = self.capture(target)
+        mine = self.capture(target, device_tensors="buffers")
         own = {e.name: t for e, t in zip(mine.manifest.entries, mine.tensors)}
         tensors = []
         for entry, saved in zip(snap.manifest.entries, snap.tensors):

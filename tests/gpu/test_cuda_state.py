@@ -95,3 +95,23 @@ def test_a_spare_makes_its_cuda_context_on_its_own_gpu_while_it_waits() -> None:
 
     assert warm_spare(0) is True
     assert torch.cuda.is_initialized() and torch.cuda.current_device() == 0
+
+
+def test_a_buddy_snapshot_stages_live_cuda_state_off_the_training_thread() -> None:
+    """The capture keeps the live tensor and an event; the buddy thread stages what the event marks."""
+    import threading
+
+    from torchpass.core.buddy import _copy_into
+
+    x = torch.zeros(1 << 24, device=DEV)
+    for _ in range(20):
+        x.add_(1.0)
+    captured = capture({"optimizer": {"x": x}}, {"optimizer": "sharded"}, version=1, device_tensors="live")
+    assert captured.tensors[0] is not None and captured.tensors[0].device == DEV and captured.device_events
+    assert 0 not in captured.private  # a live tensor: the snapshot must copy it
+    done: dict = {}
+    worker = threading.Thread(target=lambda: done.update(snap=_copy_into(captured, None)))
+    worker.start()
+    worker.join()
+    staged = done["snap"].tensors[0]
+    assert staged.device.type == "cpu" and staged.is_pinned() and bool((staged == 20.0).all())
