@@ -46,7 +46,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 from . import nccl_transport
 from .config import TorchPassConfig, config_from_mapping
 from .control import Heartbeat, Keys, Mailbox, Report, put, try_get
-from .failures import FENCE_DUMP_SIGNAL, is_comm_error
+from .failures import FENCE_DUMP_SIGNAL, is_comm_error, is_device_failure
 from .job_secret import SECRET_ENV
 from .signed_store import FORGED
 from .liveness import STORE_LOST_EXIT, BeatWatch, StoreWatchdog
@@ -288,6 +288,10 @@ class Agent:
         if error:
             detail["error"] = error.strip().splitlines()[-1][:500]
             detail["comm_error"] = is_comm_error(error)
+            detail["device_failure"] = is_device_failure(error)
+            if detail["device_failure"]:
+                how = f"died of a GPU failure: {detail['error']}"
+                detail["how"] = how
         kind = "hung" if w.last_heartbeat else "exit"
         # A hang started when the heartbeats stopped, not when the fence noticed it.
         self.events.post(Report(kind, w.wid, self.spec.node, w.rank, t=w.last_heartbeat or time.time(), detail=detail))

@@ -333,7 +333,7 @@ class Controller:
         self._set_role(wid, "lost")
         self._write_workers_json()
         error = report.detail.get("error")
-        if error and not report.detail.get("comm_error"):
+        if error and not report.detail.get("comm_error") and not report.detail.get("device_failure"):
             self._stop(
                 3,
                 f"rank {rank} ({wid}) raised an exception in the training script, which a spare would repeat: {error}",

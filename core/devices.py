@@ -19,7 +19,14 @@ launcher still selects and orders them). The slot is the process's
 
 ``--nproc-per-node``: ``gpu`` is the GPUs left after the spares' (each spare
 owns one); ``auto`` is ``gpu`` where the node has GPUs and the CPU count
-otherwise (torchrun's meaning); ``cpu`` is the CPU count. More slots than GPUs
+otherwise (torchrun's meaning); ``cpu`` is the CPU count.
+
+A CUDA context that a sticky error broke (an illegal address, a device-side
+assert, an uncorrectable ECC error, a GPU fallen off the bus) fails every
+later CUDA call, so such a process must never survive a migration: a
+survivor checks its context (:func:`cuda_context_error`) before it offers its
+state, and leaves with :data:`CUDA_BROKEN_EXIT` if it is broken; its rank then
+moves to a spare like any failed rank's. More slots than GPUs
 is allowed (every rank of a gloo job may share one GPU) and said once: NCCL
 refuses two ranks on one GPU.
 """
@@ -28,7 +35,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["gpu_count", "nproc_per_node", "sharing_note", "warm_spare"]
+__all__ = ["CUDA_BROKEN_EXIT", "cuda_context_error", "gpu_count", "nproc_per_node", "sharing_note", "warm_spare"]
+
+CUDA_BROKEN_EXIT = 76
+"""The exit code of a survivor whose CUDA context a sticky error broke: it leaves as a failed rank."""
 
 
 def gpu_count() -> int:
@@ -78,3 +88,17 @@ def warm_spare(slot: int) -> bool:
     torch.empty(1, device=f"cuda:{slot}")
     return True
 
+
+
+def cuda_context_error() -> str | None:
+    """Why this process's CUDA context is unusable, or None (also when it has none).
+
+    A sticky error makes every later CUDA call raise it again, a synchronize included;
+    a recoverable one (out of memory) does not surface here."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as exc:  # CUDA errors surface as RuntimeError (torch.AcceleratorError is one)
+        return str(exc).strip().splitlines()[0]
+    return None

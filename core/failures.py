@@ -11,7 +11,14 @@ from __future__ import annotations
 
 import signal
 
-__all__ = ["ABANDONED_MARKER", "COMM_ERROR_MARKERS", "FENCE_DUMP_SIGNAL", "is_comm_error"]
+__all__ = [
+    "ABANDONED_MARKER",
+    "COMM_ERROR_MARKERS",
+    "DEVICE_FAILURE_MARKERS",
+    "FENCE_DUMP_SIGNAL",
+    "is_comm_error",
+    "is_device_failure",
+]
 
 FENCE_DUMP_SIGNAL = signal.SIGUSR1
 """Sent by an agent right before it fences a worker: the worker writes every thread's stack to its log."""
@@ -35,3 +42,19 @@ COMM_ERROR_MARKERS = (
 def is_comm_error(message: str) -> bool:
     """Whether an error message says a collective failed because a peer or the transport went away."""
     return any(marker in message for marker in COMM_ERROR_MARKERS)
+
+
+DEVICE_FAILURE_MARKERS = (
+    "uncorrectable ECC error",
+    "uncorrectable NVLink error",
+    "hardware stack error",
+    "GPU has fallen off the bus",
+    "CUDA-capable device(s) is/are busy or unavailable",
+)
+"""Substrings of CUDA errors that a failing GPU raises, not the script: a spare on another GPU does not
+repeat them. An illegal address or a device-side assert is the script's own (a spare would repeat it)."""
+
+
+def is_device_failure(message: str) -> bool:
+    """Whether an error message says the process's GPU failed (see :data:`DEVICE_FAILURE_MARKERS`)."""
+    return any(marker in message for marker in DEVICE_FAILURE_MARKERS)

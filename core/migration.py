@@ -12,6 +12,8 @@ Survivor (:meth:`Migration.recover`), after a collective failed or the
 generation ended:
 
 1. release the rank's process groups and end the generation if nobody has;
+   a rank whose CUDA context a sticky error broke leaves here as a failed
+   rank (:data:`~torchpass.core.devices.CUDA_BROKEN_EXIT`);
 2. undo the interrupted step: partial gradients dropped, RNG and the
    provider's extras back to the step start, data rewound (a rank that died
    inside its commit is *dirty*: its state will be copied from a replica);
@@ -49,7 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from . import comms
+from . import comms, devices
 from .control import Keys, Plan, Ready, Status, put_counted
 from .liveness import STORE_LOST_EXIT
 from .state_copy import Timings
@@ -85,6 +87,11 @@ class Migration:
         rt.phase = "recover"
         comms.release_generation(rt.generation)
         rt.store.compare_set(Keys.end(rt.generation), "", f"rank {rt.rank}: {cause}"[:500])
+        broken = devices.cuda_context_error()
+        if broken is not None:
+            # Its state on the device may be anything, and every CUDA call would fail: a failed rank.
+            print(f"[torchpass] rank {rt.rank}: leaving as a failed rank, its CUDA context is broken: {broken}", file=sys.stderr, flush=True)
+            os._exit(devices.CUDA_BROKEN_EXIT)
         aborted = rt.in_step
         interrupted_step = rt.step
         dirty = rt.committing

@@ -49,3 +49,7 @@ def test_sharing_note_names_the_slots_without_a_gpu_of_their_own():
 
 def test_a_spare_without_a_gpu_makes_no_cuda_context():
     assert devices.warm_spare(devices.gpu_count()) is False
+
+
+def test_without_a_cuda_context_there_is_nothing_broken():
+    assert devices.cuda_context_error() is None

@@ -115,3 +115,46 @@ def test_a_buddy_snapshot_stages_live_cuda_state_off_the_training_thread() -> No
     worker.join()
     staged = done["snap"].tensors[0]
     assert staged.device.type == "cpu" and staged.is_pinned() and bool((staged == 20.0).all())
+
+
+_BREAK_THE_CONTEXT = """
+import json
+import torch
+from torchpass.core.devices import cuda_context_error
+x = torch.ones(4, device="cuda")
+healthy = cuda_context_error()
+try:
+    x[torch.tensor([10], device="cuda")].sum().item()  # out of range: a device-side assert, a sticky error
+except RuntimeError:
+    pass
+print(json.dumps({"healthy": healthy, "broken": cuda_context_error()}))
+"""
+
+
+def test_a_sticky_cuda_error_is_seen_as_a_broken_context() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _BREAK_THE_CONTEXT], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    print("sticky", report)
+    assert report["healthy"] is None
+    assert report["broken"] is not None and "CUDA error" in report["broken"]
+
+
+def test_what_a_capture_costs_the_training_thread() -> None:
+    """Seconds on the capturing thread for 1 GiB of CUDA state: staged now, or kept live for the buddy thread."""
+    import time
+
+    state = {"optimizer": {f"t{i}": torch.randn(1 << 26, device=DEV) for i in range(4)}}  # 4 x 256 MiB
+    figures = {}
+    for mode in ("stage", "live", "stage", "live"):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        capture(state, {"optimizer": "sharded"}, version=0, device_tensors=mode)
+        figures[mode] = time.perf_counter() - start  # the second of each pair: warm
+    print("capture_cost", json.dumps(figures))
+    folder = os.environ.get("TORCHPASS_GPU_OUT")
+    if folder:
+        Path(folder, "capture_cost.json").write_text(json.dumps({"bytes": 1 << 30, "seconds": figures}))
