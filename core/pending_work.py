@@ -59,7 +59,7 @@ _PRUNE_AT = 256
 """Issued works kept before completed ones are dropped from the list (amortized: a few checks per collective)."""
 _STOP = None
 
-_Waits = queue.SimpleQueue  # of (gloo work, trigger future) pairs, or _STOP
+_Waits = queue.SimpleQueue  # of (gloo work, trigger future, CUDA device or None), or _STOP
 
 
 def _without_frames(exc: Exception) -> Exception:
@@ -122,12 +122,14 @@ class TrackedWork(dist.Work):
                 raise self._pending.error()
             try:
                 inner.wait(_SLICE)
+                self.synchronize()
                 return True
             except RuntimeError:
                 if inner.is_completed():
                     # Failed, or completed just after the slice ran out: a wait now gives the
                     # collective's own outcome (returns, or raises gloo's error), never the slice's.
                     inner.wait()
+                    self.synchronize()
                     return True
                 # Only the slice ran out: look for the abandonment, then wait on.
 
@@ -157,7 +159,10 @@ class TrackedWork(dist.Work):
         return self._inner.result()
 
     def synchronize(self) -> None:
-        """Make the current stream wait for a CUDA collective's copies (gloo's own; a CPU one has none)."""
+        """Make the current stream wait for a CUDA collective's copy back to the device (a CPU one has none).
+
+        gloo makes only its worker thread's current stream wait for that copy; a caller training on
+        another stream must wait too before it reads the result."""
         if self._inner is not None and self._device is not None:
             self._inner.synchronize()
 
@@ -248,7 +253,7 @@ class PendingWork:
             return fut
         assert inner is not None
         if gloo_future is None:
-            self._waiter().put((inner, trigger))
+            self._waiter().put((inner, trigger, device))
         else:
             gloo_future.add_done_callback(lambda done: self._complete_from(trigger, done))
         return fut
@@ -281,9 +286,14 @@ class PendingWork:
 
     def _wait_loop(self, waits: _Waits) -> None:
         while (item := waits.get()) is not _STOP:
-            work, trigger = item
+            work, trigger, device = item
             try:
                 work.wait()
+                if device is not None:
+                    # The future carries no tensor to record events on: the copy back to the
+                    # device is complete before it is fulfilled.
+                    work.synchronize()
+                    torch.cuda.current_stream(device).synchronize()
             except Exception as exc:  # the collective's outcome, handed to whoever waits on it
                 self._settle(trigger, False, _without_frames(exc))
                 continue
