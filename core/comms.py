@@ -745,6 +745,18 @@ def release_generation(generation: int) -> int:
     return sum(g.release(nccl_aborted=True) for g in ending)
 
 
+DEVICE_COPY_SETTLE_S = 0.2
+"""How long a survivor waits for abandoned CUDA collectives to complete or fail before restoring its state
+(see ``PendingWork.settle_device_copies``): one that has all its data completes in far less."""
+
+
+def settle_device_copies() -> int:
+    """On the training thread after a release: no abandoned CUDA collective's copy back overwrites what is restored next.
+
+    Returns how many were still running after the bound (logged by the caller)."""
+    return sum(t.pending.settle_device_copies(DEVICE_COPY_SETTLE_S) for g in groups() if (t := g._transport) is not None and t.released)
+
+
 _released_lock = threading.Lock()
 _released_through = -1
 """The newest generation released in this process: a rebuild of it gives up waiting for peers."""

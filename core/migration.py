@@ -87,6 +87,9 @@ class Migration:
         rt.phase = "recover"
         comms.release_generation(rt.generation)
         rt.store.compare_set(Keys.end(rt.generation), "", f"rank {rt.rank}: {cause}"[:500])
+        running = comms.settle_device_copies()
+        if running:
+            print(f"[torchpass] rank {rt.rank}: {running} abandoned CUDA collective(s) still running after release", file=sys.stderr, flush=True)
         broken = devices.cuda_context_error()
         if broken is not None:
             # Its state on the device may be anything, and every CUDA call would fail: a failed rank.

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -180,6 +181,9 @@ class PendingWork:
         self._waiter_thread: threading.Thread | None = None
         self._issued: list[dist.Work] = []
         """gloo works issued and not yet seen completed (pruned as it grows; see ``quiet``)."""
+        self._on_device: list[dist.Work] = []
+        """gloo works on CUDA tensors not yet seen completed: each copies its result back to the
+        device on gloo's own stream when it completes (see ``settle_device_copies``)."""
 
     def run(self, issue: Callable[[], dist.Work], device: torch.device | None = None) -> TrackedWork:
         """Issue a collective (nothing is issued on an abandoned transport: its sockets are gone).
@@ -189,6 +193,10 @@ class PendingWork:
         if self.abandoned is not None:
             return TrackedWork(None, self, device)
         work = TrackedWork(issue(), self, device)
+        if device is not None:
+            self._on_device.append(work._inner)
+            if len(self._on_device) >= _PRUNE_AT:
+                self._on_device = [w for w in self._on_device if not w.is_completed()]
         if work._gloo_future is not None:
             # The others (send, recv, reduce-scatter) are waited on by the waiter thread, which
             # quiet() waits for; holding them here too made reduce-scatter 4x slower (measured).
@@ -223,6 +231,32 @@ class PendingWork:
         error = self.error()
         for trigger in futures:
             trigger.set_result((False, error))
+
+    def settle_device_copies(self, bound_s: float) -> int:
+        """After :meth:`abandon`, on the thread that will restore state: order this thread's stream after
+        every copy back to the device an abandoned CUDA collective still makes; returns the ones still
+        running after ``bound_s``.
+
+        gloo copies a CUDA collective's result back on its own stream once the collective completes,
+        which may be after the survivor has queued the restore of its state on the training stream:
+        that copy would then overwrite restored tensors. A collective still running once the sockets
+        are shut down either completes within moments (its data had arrived) or fails, and a failed
+        one copies nothing back; so this waits up to ``bound_s`` for them, then makes the current
+        stream wait for the copies of every one that completed."""
+        deadline = time.monotonic() + bound_s
+        works, self._on_device = self._on_device, []
+        while any(not w.is_completed() for w in works) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        running = 0
+        for w in works:
+            if not w.is_completed():
+                running += 1
+                continue
+            try:
+                w.synchronize()
+            except RuntimeError:
+                pass  # it failed: nothing was copied back
+        return running
 
     def error(self) -> RuntimeError:
         return RuntimeError(f"{ABANDONED_MARKER} on group {self._name!r}: {self.abandoned}")
