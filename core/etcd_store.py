@@ -1,0 +1,228 @@
+"""A c10d store on an etcd cluster: the control plane without a single point of failure.
+
+:class:`EtcdStore` is a ``torch.distributed.Store``, so everything that takes
+the job's store (torchpass's control plane through
+:class:`~torchpass.core.signed_store.SignedStore`, ``PrefixStore``, the
+rendezvous of rebuilt gloo groups) takes it unchanged, and the same contract
+tests run against it and the embedded ``TCPStore``
+(``tests/core/test_store_contract.py``). It talks to etcd's v3 JSON gateway
+through ``etcd3gw`` (OpenStack's maintained client); every key lives under
+one prefix per job, so jobs share a cluster without seeing each other's keys.
+
+How each store operation maps onto etcd, and why it is safe under concurrency:
+
+* ``set``/``get``/``check``/``delete_key``: one put, range or delete;
+  ``multi_get``/``multi_set``: one transaction, so a reader never sees half;
+* ``add``: a read, then a transaction that writes ``value + amount`` only if
+  the key's ``mod_revision`` is still the one read (``create_revision == 0``
+  for a key that did not exist), retried until it commits: no lost update;
+* ``compare_set``: one transaction comparing the value (or that the key does
+  not exist, for an empty ``expected``), with c10d's answer: the value after
+  the operation, or ``expected`` for a missing key that was not created;
+* ``wait``: a range over the missing keys, then a watch from the revision
+  after that read, so a key written between the two is never missed.
+
+Endpoints: a client talks to one member and moves to the next when that one
+does not answer (refused, reset, timed out); an operation fails, naming every
+endpoint tried, only when no member answers. etcd's own consistency (reads
+and writes go through the raft leader) makes every member's answer the same.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+import torch.distributed as dist
+
+__all__ = ["EtcdStore", "EtcdTarget", "parse_etcd_url"]
+
+_WATCH_SLICE_S = 1.0
+"""Longest single watch: a wait re-reads its keys this often, so a watch lost with its member costs at most this."""
+
+
+@dataclass(frozen=True)
+class EtcdTarget:
+    """Where the job's etcd cluster is and how to reach it (from ``--store etcd://...``)."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    protocol: str = "http"
+    """``https`` for a TLS cluster (``etcds://`` in the URL)."""
+    ca_cert: str | None = None
+    cert_cert: str | None = None
+    cert_key: str | None = None
+
+
+def parse_etcd_url(url: str) -> EtcdTarget:
+    """``etcd://h1:2379,h2:2379`` (or ``etcds://`` for TLS) -> :class:`EtcdTarget`; ValueError naming the bad part."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("etcd", "etcds"):
+        raise ValueError(f"--store {url!r}: expected etcd://HOST:PORT[,HOST:PORT...] or etcds://... for TLS")
+    endpoints = []
+    for item in filter(None, parts.netloc.split(",")):
+        host, _, port = item.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--store {url!r}: endpoint {item!r} is not HOST:PORT")
+        endpoints.append((host.strip("[]"), int(port)))
+    if not endpoints:
+        raise ValueError(f"--store {url!r}: no endpoint given")
+    return EtcdTarget(tuple(endpoints), protocol="https" if parts.scheme == "etcds" else "http")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class EtcdStore(dist.Store):
+    """A ``torch.distributed.Store`` whose keys are etcd keys under ``prefix`` (see the module docstring)."""
+
+    def __init__(self, target: EtcdTarget, prefix: str, timeout: timedelta = timedelta(seconds=300)):
+        super().__init__()
+        import etcd3gw  # the etcd extra: imported only by jobs that name an etcd store
+
+        self._etcd3gw = etcd3gw
+        self._target = target
+        self._prefix = prefix.rstrip("/") + "/"
+        self._timeout = timeout
+        self._clients = [
+            etcd3gw.client(
+                host=host,
+                port=port,
+                protocol=target.protocol,
+                ca_cert=target.ca_cert,
+                cert_cert=target.cert_cert,
+                cert_key=target.cert_key,
+                timeout=10,
+                api_path="/v3/",
+            )
+            for host, port in target.endpoints
+        ]
+        self._current = 0
+
+    # ---- transport --------------------------------------------------------------------
+    def _call(self, op: Callable[[Any], Any]) -> Any:
+        """Run ``op(client)`` on the current member, moving to the next one that answers."""
+        errors = []
+        for attempt in range(len(self._clients)):
+            client = self._clients[(self._current + attempt) % len(self._clients)]
+            try:
+                result = op(client)
+            except (self._etcd3gw.exceptions.ConnectionFailedError, self._etcd3gw.exceptions.ConnectionTimeoutError) as exc:
+                errors.append(f"{client.host}:{client.port}: {type(exc).__name__}")
+                continue
+            self._current = (self._current + attempt) % len(self._clients)
+            return result
+        raise dist.DistNetworkError(f"etcd store: no member answered ({'; '.join(errors)})")
+
+    def _txn(self, txn: dict[str, Any]) -> dict[str, Any]:
+        return self._call(lambda c: c.transaction(txn))
+
+    def _key(self, key: str) -> str:
+        return _b64((self._prefix + key).encode())
+
+    def _range(self, keys: list[str]) -> tuple[dict[str, bytes], int]:
+        """The present ``keys``' values, and the store's revision at that read."""
+        result = self._txn({"compare": [], "success": [{"request_range": {"key": self._key(k)}} for k in keys], "failure": []})
+        values = {}
+        for key, response in zip(keys, result.get("responses", [])):
+            kvs = response.get("response_range", {}).get("kvs", [])
+            if kvs:
+                values[key] = base64.b64decode(kvs[0].get("value", ""))
+        return values, int(result["header"]["revision"])
+
+    # ---- the c10d store API -----------------------------------------------------------
+    def set(self, key: str, value: bytes | str) -> None:
+        self._call(lambda c: c.post(c.get_url("/kv/put"), json={"key": self._key(key), "value": _b64(_bytes(value))}))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._range([key])[0][key]
+
+    def check(self, keys: list[str]) -> bool:
+        return len(self._range(list(keys))[0]) == len(keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.wait(list(keys))
+        values, _ = self._range(list(keys))
+        return [values[k] for k in keys]
+
+    def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
+        puts = [{"request_put": {"key": self._key(k), "value": _b64(_bytes(v))}} for k, v in zip(keys, values)]
+        self._txn({"compare": [], "success": puts, "failure": []})
+
+    def add(self, key: str, amount: int) -> int:
+        while True:
+            result = self._call(lambda c: c.post(c.get_url("/kv/range"), json={"key": self._key(key)}))
+            kvs = result.get("kvs", [])
+            if kvs:
+                current = int(base64.b64decode(kvs[0].get("value", "")) or b"0")
+                guard = {"key": self._key(key), "result": "EQUAL", "target": "MOD", "mod_revision": kvs[0]["mod_revision"]}
+            else:
+                current = 0
+                guard = {"key": self._key(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+            new = current + amount
+            put = {"request_put": {"key": self._key(key), "value": _b64(str(new).encode())}}
+            if self._txn({"compare": [guard], "success": [put], "failure": []}).get("succeeded"):
+                return new
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        expected_b, desired_b = _bytes(expected), _bytes(desired)
+        if expected_b:
+            guard = {"key": self._key(key), "result": "EQUAL", "target": "VALUE", "value": _b64(expected_b)}
+        else:
+            guard = {"key": self._key(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        result = self._txn(
+            {
+                "compare": [guard],
+                "success": [{"request_put": {"key": self._key(key), "value": _b64(desired_b)}}],
+                "failure": [{"request_range": {"key": self._key(key)}}],
+            }
+        )
+        if result.get("succeeded"):
+            return desired_b
+        kvs = result["responses"][0].get("response_range", {}).get("kvs", [])
+        return base64.b64decode(kvs[0].get("value", "")) if kvs else expected_b
+
+    def delete_key(self, key: str) -> bool:
+        result = self._call(lambda c: c.post(c.get_url("/kv/deleterange"), json={"key": self._key(key)}))
+        return int(result.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        prefix = self._prefix.encode()
+        end = prefix[:-1] + bytes([prefix[-1] + 1])
+        result = self._call(lambda c: c.post(c.get_url("/kv/range"), json={"key": _b64(prefix), "range_end": _b64(end), "count_only": True}))
+        return int(result.get("count", 0))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            present, revision = self._range(list(keys))
+            missing = [k for k in keys if k not in present]
+            if not missing:
+                return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(f"etcd store: wait timeout after {limit * 1000:.0f}ms, keys: {missing}")
+            client = self._clients[self._current]
+            try:
+                client.watch_once(self._prefix + missing[0], timeout=min(left, _WATCH_SLICE_S), start_revision=revision + 1)
+            except self._etcd3gw.exceptions.WatchTimedOut:
+                pass  # re-read: the slice bounds a watch lost with its member
+            except (self._etcd3gw.exceptions.ConnectionFailedError, self._etcd3gw.exceptions.ConnectionTimeoutError):
+                self._current = (self._current + 1) % len(self._clients)
