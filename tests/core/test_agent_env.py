@@ -14,7 +14,11 @@ from torchpass.core.config import TorchPassConfig
 
 def _agent(tmp_path: Path) -> Agent:
     spec = NodeSpec(1, 2, 4, 2, "127.0.0.1", 29500, "run", tmp_path, ["train.py"], tee=False)
-    return Agent(spec, dist.HashStore(), TorchPassConfig(), lambda line: None, b"0" * 64)
+    agent = Agent(spec, dist.HashStore(), TorchPassConfig(), lambda line: None, b"0" * 64)
+    # Its store watchdog would end this process once no store operation marked the store alive for the
+    # bound (the agent's own exit path); nothing ticks this agent, so the watch is turned off.
+    agent._watchdog.bound_s = float("inf")
+    return agent
 
 
 def test_a_worker_sees_what_torchrun_gives_it(tmp_path: Path) -> None:
