@@ -45,6 +45,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from . import nccl_transport
 from .config import TorchPassConfig, config_from_mapping
+from .etcd_store import shown_url
 from .control import Heartbeat, Keys, Mailbox, Report, put, try_get
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error, is_device_failure
 from .job_secret import SECRET_ENV
@@ -73,6 +74,8 @@ class NodeSpec:
     target: list[str]
     """``["-m", module, *args]`` or ``[script, *args]``."""
     tee: bool = True
+    store_etcd: str | None = None
+    """The job's etcd URL when the control plane is on etcd (``store_host:store_port`` then serves set-up only)."""
 
 
 @dataclass
@@ -110,11 +113,15 @@ class Agent:
         """Orders in this node's mail that did not open under the job secret (logged once)."""
         self._last_heartbeat_scan = 0.0
         self._beats = BeatWatch()
+        where, lost = (
+            (shown_url(spec.store_etcd), "no member of the etcd cluster answers")
+            if spec.store_etcd
+            else (f"{spec.store_host}:{spec.store_port}", "node 0 is gone")
+        )
         self._watchdog = StoreWatchdog(
             config.store_bound_s(),
             lambda silent: self.abandon(
-                f"the store at {spec.store_host}:{spec.store_port} has not answered for {silent:.0f} s "
-                f"(store_timeout_s: {config.store_bound_s():g} s): node 0 is gone",
+                f"the store at {where} has not answered for {silent:.0f} s (store_timeout_s: {config.store_bound_s():g} s): {lost}",
                 STORE_LOST_EXIT,
             ),
             name="torchpass-agent-store-watchdog",
@@ -132,6 +139,7 @@ class Agent:
             "TORCHPASS_NODE": str(s.node),
             "TORCHPASS_WORLD_SIZE": str(world),
             "TORCHPASS_STORE": f"{s.store_host}:{s.store_port}",
+            **({"TORCHPASS_STORE_ETCD": s.store_etcd} if s.store_etcd else {}),
             "TORCHPASS_RUN_DIR": str(s.run_dir),
             "TORCHPASS_AGENT_PID": str(os.getpid()),
             "TORCHPASS_CONFIG": json.dumps(self.config.to_dict()),

@@ -205,7 +205,7 @@ class _Job:
 
             host, port = self.workers()["store"].rsplit(":", 1)
             secret = self._secret.encode() if self._secret else for_operator(self.run_dir, self._secret_file)
-            self._store = StoreAddress(host, int(port), secret).connect(timeout=10.0)
+            self._store = StoreAddress(host, int(port), secret, etcd=self.workers().get("store_etcd")).connect(timeout=10.0)
         return self._store
 
     def step_of(self, rank: int) -> int:

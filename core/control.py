@@ -219,18 +219,34 @@ class StoreAddress:
     port: int
     secret: bytes = field(repr=False)
     """The job secret (``core/job_secret.py``); kept out of ``repr`` so it never reaches a log."""
+    etcd: str | None = None
+    """The job's etcd URL (``core/etcd_store.py``) when the control plane is on etcd; ``host:port`` is then
+    node 0's TCPStore, which only the workers' set-up uses (``init_process_group``'s default store)."""
 
     def connect(self, timeout: float = 300.0) -> SignedStore:
         """A client connection (one per thread: clients are not thread-safe), sealing and opening every value.
 
         Created under the socket-creation lock so a concurrent rebuild never mistakes
-        this socket for one of its gloo connections.
+        this socket for one of its gloo connections (an etcd client's connections are
+        told apart by their peer port: ``comms.exclude_ports``).
         """
         from .comms import socket_creation_lock
 
-        with socket_creation_lock:
-            base = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+        if self.etcd is not None:
+            from .etcd_store import EtcdStore, parse_etcd_url
+
+            base: dist.Store = EtcdStore(parse_etcd_url(self.etcd), timedelta(seconds=timeout))
+        else:
+            with socket_creation_lock:
+                base = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         return signed(base, self.secret, timedelta(seconds=timeout))
+
+    def describe(self) -> str:
+        if self.etcd is not None:
+            from .etcd_store import shown_url
+
+            return shown_url(self.etcd)
+        return f"{self.host}:{self.port}"
 
 
 _forged_reported = False

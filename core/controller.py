@@ -131,9 +131,12 @@ class Controller:
         say: Callable[[str], None],
         order: Callable[[int, dict[str, Any]], None],
         store_address: str,
+        store_etcd: str | None = None,
     ):
         self.store = store
         self.store_address = store_address
+        self.store_etcd = store_etcd
+        """The job's etcd URL when its control plane is on etcd (``workers.json`` tells operators' tools)."""
         self.spec = spec
         self.run_dir = run_dir
         self.config = config
@@ -205,6 +208,7 @@ class Controller:
             "generation": self.generation,
             "world_size": self.spec.world_size,
             "store": self.store_address,
+            "store_etcd": self.store_etcd,
             "workers": rows,
             "nodes": nodes,
             "migration": migration,

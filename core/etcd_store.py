@@ -35,11 +35,18 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 import torch.distributed as dist
 
-__all__ = ["EtcdStore", "EtcdTarget", "parse_etcd_url"]
+__all__ = ["DEFAULT_PREFIX", "EtcdStore", "EtcdTarget", "is_etcd_url", "job_url", "parse_etcd_url", "shown_url"]
+
+DEFAULT_PREFIX = "/torchpass"
+"""Where jobs' keys live when the URL names no path."""
+
+
+def is_etcd_url(text: str) -> bool:
+    return text.startswith(("etcd://", "etcds://"))
 
 _WATCH_SLICE_S = 1.0
 """Longest single watch: a wait re-reads its keys this often, so a watch lost with its member costs at most this."""
@@ -47,21 +54,31 @@ _WATCH_SLICE_S = 1.0
 
 @dataclass(frozen=True)
 class EtcdTarget:
-    """Where the job's etcd cluster is and how to reach it (from ``--store etcd://...``)."""
+    """Where the job's etcd cluster is, how to reach it and where its keys live: one URL carries it all
+    (``--store``, and the environment each worker gets), so every process reads the same fact."""
 
     endpoints: tuple[tuple[str, int], ...]
+    prefix: str = DEFAULT_PREFIX
+    """The keys' prefix: the URL's path (the launcher appends the job's id, so jobs never share keys)."""
     protocol: str = "http"
     """``https`` for a TLS cluster (``etcds://`` in the URL)."""
     ca_cert: str | None = None
+    """``?cacert=``: the CA bundle that signed the members' certificates (etcdctl's ``--cacert``)."""
     cert_cert: str | None = None
+    """``?cert=``: this client's certificate, for clusters that authenticate clients (``--cert``)."""
     cert_key: str | None = None
+    """``?key=``: that certificate's key (``--key``)."""
+
+
+_TLS_QUERY = ("cacert", "cert", "key")
 
 
 def parse_etcd_url(url: str) -> EtcdTarget:
-    """``etcd://h1:2379,h2:2379`` (or ``etcds://`` for TLS) -> :class:`EtcdTarget`; ValueError naming the bad part."""
+    """``etcd://h1:2379,h2:2379[/prefix]`` or ``etcds://...?cacert=F&cert=F&key=F`` -> :class:`EtcdTarget`;
+    ValueError naming the bad part."""
     parts = urlsplit(url)
     if parts.scheme not in ("etcd", "etcds"):
-        raise ValueError(f"--store {url!r}: expected etcd://HOST:PORT[,HOST:PORT...] or etcds://... for TLS")
+        raise ValueError(f"--store {url!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] or etcds://... for TLS")
     endpoints = []
     for item in filter(None, parts.netloc.split(",")):
         host, _, port = item.rpartition(":")
@@ -70,7 +87,32 @@ def parse_etcd_url(url: str) -> EtcdTarget:
         endpoints.append((host.strip("[]"), int(port)))
     if not endpoints:
         raise ValueError(f"--store {url!r}: no endpoint given")
-    return EtcdTarget(tuple(endpoints), protocol="https" if parts.scheme == "etcds" else "http")
+    query = dict(parse_qsl(parts.query))
+    unknown = sorted(set(query) - set(_TLS_QUERY))
+    if unknown:
+        raise ValueError(f"--store {url!r}: unknown option(s) {unknown}; valid: {list(_TLS_QUERY)}")
+    if query and parts.scheme != "etcds":
+        raise ValueError(f"--store {url!r}: TLS options need etcds://")
+    return EtcdTarget(
+        tuple(endpoints),
+        prefix=parts.path.rstrip("/") or DEFAULT_PREFIX,
+        protocol="https" if parts.scheme == "etcds" else "http",
+        ca_cert=query.get("cacert"),
+        cert_cert=query.get("cert"),
+        cert_key=query.get("key"),
+    )
+
+
+def shown_url(url: str) -> str:
+    """``url`` for logs: endpoints and prefix, without the TLS file options."""
+    return url.split("?", 1)[0]
+
+
+def job_url(url: str, job_id: str) -> str:
+    """The store URL of one job: ``url`` with the job's id appended to its prefix."""
+    parts = urlsplit(url)
+    path = (parts.path.rstrip("/") or DEFAULT_PREFIX) + "/" + job_id
+    return parts._replace(path=path).geturl()
 
 
 def _b64(data: bytes) -> str:
@@ -84,13 +126,13 @@ def _bytes(value: bytes | str) -> bytes:
 class EtcdStore(dist.Store):
     """A ``torch.distributed.Store`` whose keys are etcd keys under ``prefix`` (see the module docstring)."""
 
-    def __init__(self, target: EtcdTarget, prefix: str, timeout: timedelta = timedelta(seconds=300)):
+    def __init__(self, target: EtcdTarget, timeout: timedelta = timedelta(seconds=300)):
         super().__init__()
         import etcd3gw  # the etcd extra: imported only by jobs that name an etcd store
 
         self._etcd3gw = etcd3gw
         self._target = target
-        self._prefix = prefix.rstrip("/") + "/"
+        self._prefix = target.prefix.rstrip("/") + "/"
         self._timeout = timeout
         self._clients = [
             etcd3gw.client(
@@ -195,11 +237,18 @@ class EtcdStore(dist.Store):
         result = self._call(lambda c: c.post(c.get_url("/kv/deleterange"), json={"key": self._key(key)}))
         return int(result.get("deleted", 0)) > 0
 
-    def num_keys(self) -> int:
+    def _whole_prefix(self) -> dict[str, str]:
         prefix = self._prefix.encode()
-        end = prefix[:-1] + bytes([prefix[-1] + 1])
-        result = self._call(lambda c: c.post(c.get_url("/kv/range"), json={"key": _b64(prefix), "range_end": _b64(end), "count_only": True}))
+        return {"key": _b64(prefix), "range_end": _b64(prefix[:-1] + bytes([prefix[-1] + 1]))}
+
+    def num_keys(self) -> int:
+        result = self._call(lambda c: c.post(c.get_url("/kv/range"), json={**self._whole_prefix(), "count_only": True}))
         return int(result.get("count", 0))
+
+    def delete_prefix(self) -> int:
+        """Delete every key of this store (the job's, at its end); returns how many there were."""
+        result = self._call(lambda c: c.post(c.get_url("/kv/deleterange"), json=self._whole_prefix()))
+        return int(result.get("deleted", 0))
 
     def set_timeout(self, timeout: timedelta) -> None:
         self._timeout = timeout

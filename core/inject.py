@@ -68,5 +68,5 @@ def request_migration(run_dir: str | Path, rank: int, secret_file: str | None = 
     data = read_workers(run_dir)
     _find(data["workers"], rank, None)
     host, port = data["store"].rsplit(":", 1)
-    address = StoreAddress(host, int(port), for_operator(run_dir, secret_file))
+    address = StoreAddress(host, int(port), for_operator(run_dir, secret_file), etcd=data.get("store_etcd"))
     Mailbox(address.connect(timeout=10.0), Keys.events).post(Report("migrate", rank=rank, detail={"signal": "operator"}))

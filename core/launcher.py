@@ -35,6 +35,7 @@ from .timeline import FILE as TIMELINE_FILE
 from .timeline import SAMPLE_S, Timeline, take_sample
 from .node_signals import NodeSignalSource, NodeSignalWatcher
 from .slurm import SlurmDrainSource, slurm_available, slurm_node_name, slurm_placement
+from .etcd_store import EtcdStore, job_url, parse_etcd_url, shown_url
 from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario, parse_xids
 from .control import Keys, Mailbox, Report, signed
 from .controller import Controller, JobSpec
@@ -68,6 +69,12 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("-m", "--module", action="store_true", help="run the training script as a module (python -m)")
     g.add_argument("--no-python", "--no_python", action="store_true", help="not supported: workers run Python")
     t = p.add_argument_group("torchpass options")
+    t.add_argument(
+        "--store",
+        default="",
+        help="the control plane's store: left out, a TCPStore node 0 hosts; etcd://HOST:PORT,... (etcds://...?cacert=F&cert=F&key=F "
+        "for TLS) for an etcd cluster, whose keys the job keeps under /torchpass/<--rdzv-id>",
+    )
     t.add_argument("--spares-per-node", "--spares_per_node", type=int, default=None, help="hot spares per node (default: config, 1)")
     t.add_argument("--run-dir", "--run_dir", default=None, help="workers.json, events.jsonl and logs (default: config run_dir)")
     t.add_argument("--config", default=None, help="a torchpass preset name or YAML file")
@@ -120,6 +127,36 @@ def _int_or(value: str, name: str, auto: int) -> int:
     if n < 1:
         raise LaunchError(f"{name}: got {n}; expected an integer >= 1")
     return n
+
+
+def _etcd_store(url: str, rdzv_id: str, nnodes: int, run_id: str) -> str | None:
+    """The job's etcd URL (``--store`` with the job's id appended), or None for node 0's TCPStore."""
+    if not url:
+        return None
+    try:
+        parse_etcd_url(url)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
+    if nnodes > 1 and not rdzv_id:
+        raise LaunchError(f"--store {shown_url(url)}: give every node the same --rdzv-id; the job's keys live under it")
+    return job_url(url, run_id)
+
+
+def _connect_etcd(url: str, node_rank: int, rdzv_id: str, join_timeout: float) -> EtcdStore:
+    """Node 0: the job's keys must not exist yet (a job with this id ran, or runs); others: wait for node 0's job."""
+    try:
+        store = EtcdStore(parse_etcd_url(url), timedelta(seconds=join_timeout))
+        if node_rank == 0:
+            if store.num_keys():
+                raise LaunchError(
+                    f"--store: {shown_url(url)} already holds a job's keys (--rdzv-id {rdzv_id or '(generated)'}); a job that "
+                    f"crashed leaves them: give a new --rdzv-id, or delete them (etcdctl del --prefix {parse_etcd_url(url).prefix}/)"
+                )
+        else:
+            store.wait([Keys.job], timedelta(seconds=join_timeout))
+    except dist.DistError as exc:
+        raise LaunchError(f"cannot use the etcd store {shown_url(url)}: {exc}") from None
+    return store
 
 
 def _nnodes(value: str) -> int:
@@ -276,14 +313,23 @@ def _launch(args: argparse.Namespace) -> int:
     except job_secret.SecretError as exc:
         raise LaunchError(str(exc)) from None
     join_timeout = float(_rdzv_conf(args.rdzv_conf).get("join_timeout", 600))
+    run_id = args.rdzv_id or uuid.uuid4().hex[:8]
+    store_etcd = _etcd_store(args.store, args.rdzv_id, nnodes, run_id)
     run_dir = Path(args.run_dir or config.run_dir).resolve()
     say = _Console(args.node_rank, config.telemetry.console)
 
+    tcp_server = None
     if args.node_rank == 0:
         try:
-            base = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=join_timeout))
+            # With an etcd store it serves the workers' set-up only: init_process_group's default store.
+            tcp_server = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=join_timeout))
         except (RuntimeError, OSError) as exc:
             raise LaunchError(f"cannot host the torchpass store on {host}:{port}: {exc} (is the port in use? pass --master-port)") from None
+    store_shown = shown_url(store_etcd) if store_etcd is not None else f"{host}:{port}"
+    if store_etcd is not None:
+        base = _connect_etcd(store_etcd, args.node_rank, args.rdzv_id, join_timeout)
+    elif tcp_server is not None:
+        base = tcp_server
     else:
         try:
             base = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timedelta(seconds=join_timeout))
@@ -315,14 +361,14 @@ def _launch(args: argparse.Namespace) -> int:
         # The run dir may be node 0's own (a shared file system, or every node on one machine): another
         # node archiving what is there would move the live ledger and workers.json from under the controller.
         run_dir.mkdir(parents=True, exist_ok=True)
-    run_id = args.rdzv_id or uuid.uuid4().hex[:8]
-    spec = NodeSpec(args.node_rank, nnodes, nproc, spares, host, port, run_id, run_dir, target, tee=not args.quiet)
+    spec = NodeSpec(args.node_rank, nnodes, nproc, spares, host, port, run_id, run_dir, target, tee=not args.quiet, store_etcd=store_etcd)
     controller = None
     if args.node_rank == 0:
         job = JobSpec(nnodes * nproc, nnodes, nproc, spares, run_id, [sys.executable, *target])
         mail = {n: Mailbox(store, Keys.node_mail(n)) for n in range(nnodes)}
         controller = Controller(
-            store, job, run_dir, config, say, lambda node, order: mail[node].post(order) if node in mail else None, f"{host}:{port}"
+            store, job, run_dir, config, say, lambda node, order: mail[node].post(order) if node in mail else None, f"{host}:{port}",
+            store_etcd,
         )
     if controller is not None and metrics is not None:
         controller.ledger.listeners.append(metrics.on_event)
@@ -365,7 +411,7 @@ def _launch(args: argparse.Namespace) -> int:
                     break
             except dist.DistError as exc:
                 # Node 0's store went away (a stopped or unreachable one is the agent's watchdog's case).
-                agent.abandon(f"lost the store at {host}:{port}: {exc}", STORE_LOST_EXIT)
+                agent.abandon(f"lost the store at {store_shown}: {exc}", STORE_LOST_EXIT)
         for source, found in watcher.take():
             detail = {"signal": found.cause, "cause": found.cause, "reason": found.reason, "trigger": found.detail}
             if found.gpu is not None:
@@ -412,6 +458,9 @@ def _launch(args: argparse.Namespace) -> int:
         (run_dir / "summary.json").write_text(json.dumps({"exit_code": code, "message": message}, indent=1))
         # Other launchers read the shutdown key; give them a moment before the store goes away.
         time.sleep(1.0)
+        if isinstance(base, EtcdStore):
+            # The job's keys go with it: the same --rdzv-id can run again (a crashed job's stay, and block that).
+            base.delete_prefix()
     if code == 0:
         say(f"job finished: {message}")
     else:

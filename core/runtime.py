@@ -62,6 +62,7 @@ from .control import Keys, Mailbox, Plan, Report, StoreAddress, WorkerRecord, ge
 from .controller_answers import UNTIL_ANSWERED, ControllerAnswers
 from .critical_path import CriticalPathTimers
 from .data import ReplayableData
+from .etcd_store import parse_etcd_url
 from .failures import is_comm_error
 from .generation_monitor import GenerationMonitor
 from .liveness import STORE_LOST_EXIT, Heartbeater, StoreWatchdog
@@ -97,7 +98,7 @@ class Runtime:
         self.store_host, self.store_port = host, int(port)
         self.secret = job_secret.from_worker_env()
         """The job secret: store values are sealed with it and state-channel connections prove it."""
-        self.store_address = StoreAddress(host, self.store_port, self.secret)
+        self.store_address = StoreAddress(host, self.store_port, self.secret, etcd=env.get("TORCHPASS_STORE_ETCD"))
         self.store = self.store_address.connect()
         self.events = Mailbox(self.store, Keys.events)
         self.answers = ControllerAnswers(self.store, lambda: f"rank {self.rank} ({self.wid})")
@@ -137,6 +138,9 @@ class Runtime:
             on_held=lambda src, captured: self._holder().on_held(src, captured),
         )
         comms.exclude_ports(peer=self.store_port, local=self.server.address[1])
+        if self.store_address.etcd is not None:
+            for _, etcd_port in parse_etcd_url(self.store_address.etcd).endpoints:
+                comms.exclude_ports(peer=etcd_port)
         self._attached = False
         self._chaos = chaos_trigger(self._config.chaos, self.rank, self.role, self.monitor.ending)
         self._register()
@@ -158,7 +162,7 @@ class Runtime:
 
     def _exit_store_lost(self, silent_s: float) -> None:
         print(
-            f"[torchpass] {self.wid} (rank {self.rank}): the store at {self.store_host}:{self.store_port} has not "
+            f"[torchpass] {self.wid} (rank {self.rank}): the store at {self.store_address.describe()} has not "
             f"answered for {silent_s:.0f} s (store_timeout_s: {self.config.store_bound_s():g} s): node 0 is gone; exiting",
             file=sys.stderr,
             flush=True,

@@ -79,6 +79,8 @@ def assert_nothing_written(run_dir: Path) -> None:
         (["--rdzv-endpoint", "hostonly"], ["--rdzv-endpoint 'hostonly': expected HOST:PORT"]),
         (["--set", "signals.slurm=always"], ["signals.slurm: got 'always'", "'auto'", "'disabled'"]),
         (["--set", "signals.poll_interval_s=0"], ["signals.poll_interval_s: got 0", "a number > 0"]),
+        (["--store", "http://a:2379"], ["--store 'http://a:2379': expected etcd://HOST:PORT"]),
+        (["--nproc-per-node", "gpu"], ["--nproc-per-node gpu: this node has no GPU torch can use"]),
     ],
 )
 def test_bad_input_exits_2_naming_the_cause(argv, fragments, script, run_dir, capsys):
@@ -87,6 +89,16 @@ def test_bad_input_exits_2_naming_the_cause(argv, fragments, script, run_dir, ca
     assert err.startswith("torchpass launch: error: ")
     for fragment in fragments:
         assert fragment in err
+    assert_nothing_written(run_dir)
+
+
+def test_several_nodes_on_an_etcd_store_need_one_job_id(script, run_dir, capsys, tmp_path):
+    secret = tmp_path / "job.secret"
+    secret.write_text("ab" * 32)
+    secret.chmod(0o600)
+    argv = ["--store", "etcd://a:2379", "--nnodes", "2", "--secret-file", str(secret), "--run-dir", str(run_dir), str(script)]
+    code, err = launch(argv, capsys)
+    assert code == 2 and "--store etcd://a:2379: give every node the same --rdzv-id; the job's keys live under it" in err
     assert_nothing_written(run_dir)
 
 

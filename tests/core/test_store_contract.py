@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from torchpass.core.control import get, put, signed
-from torchpass.core.etcd_store import EtcdStore, parse_etcd_url
+from torchpass.core.etcd_store import EtcdStore, job_url, parse_etcd_url
 from torchpass.core.free_port import free_port
 from torchpass.core.rendezvous_store import InterruptibleStore
 
@@ -49,8 +49,8 @@ def clients(request: pytest.FixtureRequest) -> Iterator[Factory]:
         del server
     else:
         cluster = request.getfixturevalue("etcd_cluster")
-        prefix = f"/torchpass-test/{uuid.uuid4().hex}"
-        yield lambda: EtcdStore(parse_etcd_url(cluster.url), prefix, TIMEOUT)
+        url = job_url(cluster.url, uuid.uuid4().hex)
+        yield lambda: EtcdStore(parse_etcd_url(url), TIMEOUT)
 
 
 def test_set_get_check_and_delete(clients: Factory) -> None:
@@ -139,7 +139,7 @@ def test_etcd_clients_carry_on_when_their_member_dies(tmp_path: Path) -> None:
         pytest.skip("etcd is not installed here")
     cluster = EtcdCluster(tmp_path).start()
     try:
-        store = EtcdStore(parse_etcd_url(cluster.url), "/failover", TIMEOUT)
+        store = EtcdStore(parse_etcd_url(cluster.url + "/failover"), TIMEOUT)
         store.set("before", b"1")
         cluster.kill(0)  # the member the client talks to first
         store.set("after", b"2")
@@ -148,13 +148,17 @@ def test_etcd_clients_carry_on_when_their_member_dies(tmp_path: Path) -> None:
         cluster.stop()
 
 
-def test_etcd_urls_name_what_is_wrong() -> None:
-    assert parse_etcd_url("etcd://a:2379,b:2380").endpoints == (("a", 2379), ("b", 2380))
-    assert parse_etcd_url("etcds://a:2379").protocol == "https"
+def test_etcd_urls_carry_endpoints_prefix_and_tls_and_name_what_is_wrong() -> None:
+    target = parse_etcd_url("etcd://a:2379,b:2380")
+    assert target.endpoints == (("a", 2379), ("b", 2380)) and target.prefix == "/torchpass" and target.protocol == "http"
+    tls = parse_etcd_url(job_url("etcds://a:2379/jobs?cacert=/ca.pem&cert=/c.pem&key=/k.pem", "run7"))
+    assert (tls.protocol, tls.prefix, tls.ca_cert, tls.cert_cert, tls.cert_key) == ("https", "/jobs/run7", "/ca.pem", "/c.pem", "/k.pem")
     for url, message in [
         ("http://a:2379", "expected etcd://HOST:PORT"),
         ("etcd://a", "endpoint 'a' is not HOST:PORT"),
         ("etcd://", "no endpoint given"),
+        ("etcds://a:1?user=x", r"unknown option\(s\) \['user'\]; valid: \['cacert', 'cert', 'key'\]"),
+        ("etcd://a:1?cacert=/ca.pem", "TLS options need etcds://"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_etcd_url(url)
