@@ -133,7 +133,7 @@ class Runtime:
         self.server = StateServer(
             secret=self.secret,
             chunk_bytes=self._config.transfer_chunk_bytes,
-            host="127.0.0.1" if host in ("127.0.0.1", "localhost") else _my_host(),
+            host="127.0.0.1" if host in ("127.0.0.1", "localhost") else address_towards(host),
             hold_into=lambda src, manifest: self._holder().hold_into(src, manifest),
             on_held=lambda src, captured: self._holder().on_held(src, captured),
         )
@@ -518,10 +518,18 @@ class Runtime:
         os.replace(tmp, folder / f"rank{self.rank}.json")
 
 
-def _my_host() -> str:
+def address_towards(host: str) -> str:
+    """This machine's address on the interface that routes to ``host`` (the store's): where peers reach it.
+
+    The host name is not enough: on a machine with several interfaces (or a container, or a network
+    namespace) it may resolve to an address peers cannot reach. A UDP socket's ``connect`` sends nothing;
+    it only asks the kernel which local address it would use."""
     import socket
 
-    return socket.gethostname()
+    family, kind, _, _, target = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as probe:
+        probe.connect(target)
+        return probe.getsockname()[0]
 
 
 _RUNTIME: Runtime | None = None

@@ -192,12 +192,15 @@ def launch(
     env: dict[str, str] | None = None,
     srun: list[str] | None = None,
     node_env: list[dict[str, str]] | None = None,
+    hosts: Any = None,
 ) -> JobRun:
     """Start a job (one launcher per node, all on this machine) with its cwd in ``workdir``.
 
     With ``srun`` (its command and options), one ``srun`` starts every node's launcher instead, and each
     launcher takes its node count, node rank and node 0's address from the step (``core/slurm.py``).
-    ``node_env``: each node's launcher's own additions to ``env`` (a node name, say)."""
+    ``node_env``: each node's launcher's own additions to ``env`` (a node name, say).
+    ``hosts``: a :class:`tests.support.netns.Hosts`; node ``i``'s launcher runs on its host ``i`` and node 0's
+    address is host 0's."""
     workdir.mkdir(parents=True, exist_ok=True)
     port = free_port()
     run_dir = workdir / "run"
@@ -211,9 +214,10 @@ def launch(
         extra = ["--secret-file", str(secret_file), *(extra or [])]
     for node in range(1 if srun else nnodes):
         node_spare = (node_spares or [spares] * nnodes)[node]
-        placement = [] if srun else ["--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", "127.0.0.1"]
+        master = hosts.addrs[0] if hosts is not None else "127.0.0.1"
+        placement = [] if srun else ["--nnodes", str(nnodes), "--node-rank", str(node), "--master-addr", master]
         cmd = [
-            *(srun or []), sys.executable, "-m", "torchpass.core.cli", "launch", *placement, "--nproc-per-node", str(nproc),
+            *(srun or []), *(hosts.prefix(node) if hosts is not None else []), sys.executable, "-m", "torchpass.core.cli", "launch", *placement, "--nproc-per-node", str(nproc),
             "--spares-per-node", str(node_spare), "--master-port", str(port),
             "--run-dir", str(run_dir), "--config", config, *(extra or []),
             *(["-m", str(script)] if module else [str(script)]), *script_args,
