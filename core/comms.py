@@ -237,11 +237,6 @@ class _Transport:
             return dist.ProcessGroup.BackendType.NCCL, self.nccl
         return dist.ProcessGroup.BackendType.GLOO, self.gloo
 
-    @property
-    def backend(self) -> Any:
-        """The inner backend c10d sees first (gloo where there is one)."""
-        return self.gloo if self.gloo is not None else self.nccl
-
     def run(self, name: str, args: tuple[Any, ...]) -> dist.Work:
         """Issue ``name`` on the inner group; gloo's works are tracked, NCCL's returned as they are."""
         device = _cuda_device(args)

@@ -153,13 +153,17 @@ class EtcdStore(dist.Store):
     def _call(self, op: Callable[[Any], Any]) -> Any:
         """Run ``op(client)`` on the current member, moving to the next one that answers."""
         errors = []
+        gone = self._etcd3gw.exceptions
         for attempt in range(len(self._clients)):
             client = self._clients[(self._current + attempt) % len(self._clients)]
             try:
                 result = op(client)
-            except (self._etcd3gw.exceptions.ConnectionFailedError, self._etcd3gw.exceptions.ConnectionTimeoutError) as exc:
+            except (gone.ConnectionFailedError, gone.ConnectionTimeoutError, gone.InternalServerError) as exc:
+                # Down, cut off, or without a leader for now (etcd answers 500 during an election): the next member.
                 errors.append(f"{client.host}:{client.port}: {type(exc).__name__}")
                 continue
+            except gone.Etcd3Exception as exc:
+                raise dist.DistStoreError(f"etcd store at {client.host}:{client.port}: {type(exc).__name__}: {exc.detail_text}") from exc
             self._current = (self._current + attempt) % len(self._clients)
             return result
         raise dist.DistNetworkError(f"etcd store: no member answered ({'; '.join(errors)})")
