@@ -117,13 +117,11 @@ def _config(args: argparse.Namespace) -> TorchPassConfig:
     return config_from_mapping(overrides, source="torchpass launch --set")
 
 
-def _int_or(value: str, name: str, auto: int) -> int:
-    if value in ("cpu", "auto", "gpu"):
-        return auto
+def _positive_int(value: str, name: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise LaunchError(f"{name}: got {value!r}; expected an integer, 'cpu' or 'auto'") from None
+        raise LaunchError(f"{name}: got {value!r}; expected an integer >= 1") from None
     if n < 1:
         raise LaunchError(f"{name}: got {n}; expected an integer >= 1")
     return n
@@ -163,7 +161,7 @@ def _nnodes(value: str) -> int:
     lo, _, hi = value.partition(":")
     if hi and hi != lo:
         raise LaunchError(f"--nnodes {value}: torchpass keeps the world size fixed; give one number (MIN == MAX)")
-    return _int_or(lo, "--nnodes", 1)
+    return _positive_int(lo, "--nnodes")
 
 
 
