@@ -56,11 +56,17 @@ def test_failing_gpus_move_their_ranks_planned(tmp_path: Path) -> None:
     gpus = [{"ecc": 0, "retired_pending": False, "remap": [0, 0, False, False], "temp": 45, "slowdown": 90, "lost": False, "xids": []}
             for _ in range(NPROC + SPARES)]  # fmt: skip
 
+    def write_state() -> None:
+        # Whole or not at all: the launcher's NVML watch reads this file while the test changes it.
+        partial = state.with_suffix(".tmp")
+        partial.write_text(json.dumps({"gpus": gpus}))
+        partial.replace(state)
+
     def set_gpu(slot: int, **change) -> None:
         gpus[slot].update(change)
-        state.write_text(json.dumps({"gpus": gpus}))
+        write_state()
 
-    state.write_text(json.dumps({"gpus": gpus}))
+    write_state()
     env = {"PYTHONPATH": str(SHAPED), "TORCHPASS_TEST_NVML_STATE": str(state)}
     run = launch(tmp_path / "job", JOB, ARGS, nproc=NPROC, spares=SPARES, env=env, extra=["--set", "signals.poll_interval_s=0.2"])
     run.wait_step(0, 4)
