@@ -45,8 +45,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from . import nccl_transport
 from .config import TorchPassConfig, config_from_mapping
-from .etcd_store import shown_url
-from .control import Heartbeat, Keys, Mailbox, Report, put, try_get
+from .control import Heartbeat, Keys, Mailbox, Report, StoreAddress, put, try_get
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error, is_device_failure
 from .job_secret import SECRET_ENV
 from .signed_store import FORGED
@@ -113,15 +112,12 @@ class Agent:
         """Orders in this node's mail that did not open under the job secret (logged once)."""
         self._last_heartbeat_scan = 0.0
         self._beats = BeatWatch()
-        where, lost = (
-            (shown_url(spec.store_etcd), "no member of the etcd cluster answers")
-            if spec.store_etcd
-            else (f"{spec.store_host}:{spec.store_port}", "node 0 is gone")
-        )
+        store_at = StoreAddress(spec.store_host, spec.store_port, secret, etcd=spec.store_etcd)
         self._watchdog = StoreWatchdog(
             config.store_bound_s(),
             lambda silent: self.abandon(
-                f"the store at {where} has not answered for {silent:.0f} s (store_timeout_s: {config.store_bound_s():g} s): {lost}",
+                f"the store at {store_at.describe()} has not answered for {silent:.0f} s "
+                f"(store_timeout_s: {config.store_bound_s():g} s): {store_at.silence_means()}",
                 STORE_LOST_EXIT,
             ),
             name="torchpass-agent-store-watchdog",
@@ -298,8 +294,7 @@ class Agent:
             detail["comm_error"] = is_comm_error(error)
             detail["device_failure"] = is_device_failure(error)
             if detail["device_failure"]:
-                how = f"died of a GPU failure: {detail['error']}"
-                detail["how"] = how
+                detail["how"] = f"died of a GPU failure: {detail['error']}"
         kind = "hung" if w.last_heartbeat else "exit"
         # A hang started when the heartbeats stopped, not when the fence noticed it.
         self.events.post(Report(kind, w.wid, self.spec.node, w.rank, t=w.last_heartbeat or time.time(), detail=detail))

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from .cuda_staging import stage_to_host
+from .cuda_staging import pinned_like, stage_to_host
 from .manifest import Captured, capture, rebuild
 from .transfer import Address, TransferError, push_state
 
@@ -128,7 +128,7 @@ def _copy_into(captured: Captured, buffers: list[torch.Tensor] | None) -> Captur
     on_device: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i, src in enumerate(captured.tensors):
         if src.device.type == "cuda":
-            dst = buffers[i] if buffers is not None else torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+            dst = buffers[i] if buffers is not None else pinned_like(src)
             on_device.append((src, dst))
             out.append(dst)
         elif i in captured.private:

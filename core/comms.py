@@ -114,6 +114,10 @@ class InnerBackends:
     cpu: str | None
     cuda: str | None
 
+    def served(self) -> list[tuple[str, str]]:
+        """(device type, inner backend) of each device type this kind of group serves."""
+        return [(device, kind) for device, kind in (("cpu", self.cpu), ("cuda", self.cuda)) if kind is not None]
+
     @property
     def uses_gloo(self) -> bool:
         return "gloo" in (self.cpu, self.cuda)
@@ -225,9 +229,8 @@ class _Transport:
         self.nccl: Any = None
         if inner.cuda == "nccl":
             self.nccl = nccl_transport.connect(dist.PrefixStore("nccl/", store), rank, size, op_timeout, name, global_ranks)
-        for device, kind in (("cpu", inner.cpu), ("cuda", inner.cuda)):
-            if kind is not None:
-                self.group._register_backend(torch.device(device), *self.backend_of(kind))
+        for device, kind in inner.served():
+            self.group._register_backend(torch.device(device), *self.backend_of(kind))
         self.group._set_default_backend(self.backend_of(inner.cuda if inner.cpu is None else inner.cpu)[0])
         self.pending = PendingWork(name)
         self.released = False
@@ -446,9 +449,8 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         )
         if self._transport is None and self.generation < 0:
             # The first live transport becomes the c10d-registered backend (see module docstring).
-            for device, kind in (("cpu", self.inner.cpu), ("cuda", self.inner.cuda)):
-                if kind is not None:
-                    self._register_backend(torch.device(device), *transport.backend_of(kind))
+            for device, kind in self.inner.served():
+                self._register_backend(torch.device(device), *transport.backend_of(kind))
             self._set_default_backend(transport.backend_of(self.inner.cpu or self.inner.cuda)[0])
         if self._transport is not None:
             _graveyard.bury(self._transport)
@@ -463,9 +465,8 @@ class RebuildableProcessGroup(dist.ProcessGroup):
         self._transport = None
         if self.generation < 0:
             fake = FakeProcessGroup._create_internal(self._rank, self._size)
-            for device, kind in (("cpu", self.inner.cpu), ("cuda", self.inner.cuda)):
-                if kind is not None:
-                    self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, fake)
+            for device, _ in self.inner.served():
+                self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, fake)
             self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
     def release(self, *, nccl_aborted: bool = False) -> int:
@@ -668,9 +669,6 @@ def _creator(inner: InnerBackends) -> Callable[[Any, Any], RebuildableProcessGro
     return create
 
 
-_create = _creator(_KINDS[BACKEND_NAME])
-"""The creator of gloo-only groups (tests build groups through it without c10d)."""
-
 _NCCL_NAME, _MIXED_NAME = f"{BACKEND_NAME}_nccl", f"{BACKEND_NAME}_mixed"
 _REWRITES = {
     "gloo": BACKEND_NAME,
@@ -713,7 +711,7 @@ def install() -> None:
     if _installed:
         return
     for name, inner in _KINDS.items():
-        devices = [device for device, kind in (("cpu", inner.cpu), ("cuda", inner.cuda)) if kind is not None]
+        devices = [device for device, _ in inner.served()]
         dist.Backend.register_backend(name, _creator(inner), extended_api=True, devices=devices)
     dist.Backend.default_device_backend_map["cpu"] = BACKEND_NAME
     original: Callable[..., Any] = c10d._new_process_group_helper

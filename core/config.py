@@ -54,6 +54,19 @@ def unknown_key_error(source: str, prefix: str, key: str, valid: list[str]) -> C
     return ConfigError(f"{source}: unknown key {prefix}{key}{hint}; valid keys: {', '.join(sorted(valid))}")
 
 
+def positive_int(value: str, name: str, words: tuple[str, ...] = ()) -> int:
+    """A command-line count (``--nnodes``, ``--nproc-per-node``); ValueError naming ``name`` and what is valid
+    (``words``: the names the flag also takes, which the caller handles)."""
+    valid = "an integer >= 1" + "".join(f", {w!r}" for w in words)
+    try:
+        n = int(value)
+    except ValueError:
+        raise ValueError(f"{name}: got {value!r}; expected {valid}") from None
+    if n < 1:
+        raise ValueError(f"{name}: got {n}; expected {valid}")
+    return n
+
+
 def _positive(value: float) -> bool:
     return value > 0
 

@@ -242,11 +242,16 @@ class StoreAddress:
         return signed(base, self.secret, timedelta(seconds=timeout))
 
     def describe(self) -> str:
+        """Where the store is, for messages (no TLS file names)."""
         if self.etcd is not None:
             from .etcd_store import shown_url
 
             return shown_url(self.etcd)
         return f"{self.host}:{self.port}"
+
+    def silence_means(self) -> str:
+        """What a store that stopped answering means, for messages."""
+        return "no member of the etcd cluster answers" if self.etcd is not None else "node 0 is gone"
 
 
 _forged_reported = False

@@ -39,7 +39,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-__all__ = ["StagingFigures", "mark_ready", "measure", "stage_to_host"]
+__all__ = ["StagingFigures", "mark_ready", "measure", "pinned_like", "stage_to_host"]
 
 _streams: dict[int, torch.cuda.Stream] = {}
 
@@ -50,6 +50,11 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if stream is None:
         stream = _streams[index] = torch.cuda.Stream(device=index)
     return stream
+
+
+def pinned_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty page-locked host tensor of ``t``'s shape and dtype (torch's caching host allocator)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
 def mark_ready(devices: Iterable[torch.device]) -> dict[torch.device, torch.cuda.Event]:
@@ -86,7 +91,7 @@ def stage_to_host(
             side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             for i in indices:
-                host = into[i] if into is not None else torch.empty(tensors[i].shape, dtype=tensors[i].dtype, pin_memory=True)
+                host = into[i] if into is not None else pinned_like(tensors[i])
                 host.copy_(tensors[i], non_blocking=True)
                 out[i] = host
         events.append(side.record_event())

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from .config import positive_int
+
 __all__ = ["CUDA_BROKEN_EXIT", "cuda_context_error", "gpu_count", "nproc_per_node", "sharing_note", "warm_spare"]
 
 CUDA_BROKEN_EXIT = 76
@@ -59,13 +61,7 @@ def nproc_per_node(value: str, spares: int, gpus: int, cpus: int) -> int:
                 f"{spares} spare(s) owns one; lower --spares-per-node or give a number of workers"
             )
         return gpus - spares
-    try:
-        n = int(value)
-    except ValueError:
-        raise ValueError(f"--nproc-per-node: got {value!r}; expected an integer, 'gpu', 'cpu' or 'auto'") from None
-    if n < 1:
-        raise ValueError(f"--nproc-per-node: got {n}; expected an integer >= 1")
-    return n
+    return positive_int(value, "--nproc-per-node", ("gpu", "cpu", "auto"))
 
 
 def sharing_note(nproc: int, spares: int, gpus: int) -> str | None:

@@ -39,14 +39,15 @@ from urllib.parse import parse_qsl, urlsplit
 
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_PREFIX", "EtcdStore", "EtcdTarget", "is_etcd_url", "job_url", "parse_etcd_url", "shown_url"]
+__all__ = ["DEFAULT_PREFIX", "EtcdStore", "EtcdTarget", "job_url", "parse_etcd_url", "shown_url"]
 
 DEFAULT_PREFIX = "/torchpass"
 """Where jobs' keys live when the URL names no path."""
 
 
-def is_etcd_url(text: str) -> bool:
-    return text.startswith(("etcd://", "etcds://"))
+
+_REQUEST_TIMEOUT_S = 10.0
+"""Longest wait for one member's answer before the next member is asked: a stopped member costs at most this."""
 
 _WATCH_SLICE_S = 1.0
 """Longest single watch: a wait re-reads its keys this often, so a watch lost with its member costs at most this."""
@@ -131,7 +132,6 @@ class EtcdStore(dist.Store):
         import etcd3gw  # the etcd extra: imported only by jobs that name an etcd store
 
         self._etcd3gw = etcd3gw
-        self._target = target
         self._prefix = target.prefix.rstrip("/") + "/"
         self._timeout = timeout
         self._clients = [
@@ -142,7 +142,7 @@ class EtcdStore(dist.Store):
                 ca_cert=target.ca_cert,
                 cert_cert=target.cert_cert,
                 cert_key=target.cert_key,
-                timeout=10,
+                timeout=_REQUEST_TIMEOUT_S,
                 api_path="/v3/",
             )
             for host, port in target.endpoints
@@ -189,15 +189,13 @@ class EtcdStore(dist.Store):
         self._call(lambda c: c.post(c.get_url("/kv/put"), json={"key": self._key(key), "value": _b64(_bytes(value))}))
 
     def get(self, key: str) -> bytes:
-        self.wait([key])
-        return self._range([key])[0][key]
+        return self._await([key], None)[key]
 
     def check(self, keys: list[str]) -> bool:
         return len(self._range(list(keys))[0]) == len(keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        self.wait(list(keys))
-        values, _ = self._range(list(keys))
+        values = self._await(list(keys), None)
         return [values[k] for k in keys]
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
@@ -262,13 +260,17 @@ class EtcdStore(dist.Store):
         return self._timeout
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._await(list(keys), timeout)
+
+    def _await(self, keys: list[str], timeout: timedelta | None) -> dict[str, bytes]:
+        """The values of ``keys`` once all exist: one read when they do already."""
         limit = (timeout or self._timeout).total_seconds()
         deadline = time.monotonic() + limit
         while True:
-            present, revision = self._range(list(keys))
+            present, revision = self._range(keys)
             missing = [k for k in keys if k not in present]
             if not missing:
-                return
+                return present
             left = deadline - time.monotonic()
             if left <= 0:
                 raise dist.DistStoreError(f"etcd store: wait timeout after {limit * 1000:.0f}ms, keys: {missing}")

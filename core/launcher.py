@@ -36,7 +36,7 @@ from .timeline import SAMPLE_S, Timeline, take_sample
 from .node_signals import NodeSignalSource, NodeSignalWatcher
 from .slurm import SlurmDrainSource, slurm_available, slurm_node_name, slurm_placement
 from .etcd_store import EtcdStore, job_url, parse_etcd_url, shown_url
-from .config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, load_preset, load_scenario, parse_xids
+from .config import ConfigError, TorchPassConfig, positive_int, config_from_mapping, deep_merge, load_preset, load_scenario, parse_xids
 from .control import Keys, Mailbox, Report, signed
 from .controller import Controller, JobSpec
 from .liveness import STORE_LOST_EXIT
@@ -117,16 +117,6 @@ def _config(args: argparse.Namespace) -> TorchPassConfig:
     return config_from_mapping(overrides, source="torchpass launch --set")
 
 
-def _positive_int(value: str, name: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        raise LaunchError(f"{name}: got {value!r}; expected an integer >= 1") from None
-    if n < 1:
-        raise LaunchError(f"{name}: got {n}; expected an integer >= 1")
-    return n
-
-
 def _etcd_store(url: str, rdzv_id: str, nnodes: int, run_id: str) -> str | None:
     """The job's etcd URL (``--store`` with the job's id appended), or None for node 0's TCPStore."""
     if not url:
@@ -161,7 +151,10 @@ def _nnodes(value: str) -> int:
     lo, _, hi = value.partition(":")
     if hi and hi != lo:
         raise LaunchError(f"--nnodes {value}: torchpass keeps the world size fixed; give one number (MIN == MAX)")
-    return _positive_int(lo, "--nnodes")
+    try:
+        return positive_int(lo, "--nnodes")
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 

@@ -30,7 +30,7 @@ import torch
 
 from . import safe_pickle
 from .checksum import CHUNK_BYTES, CrcTable, chunk_grid
-from .cuda_staging import mark_ready, stage_to_host
+from .cuda_staging import mark_ready, pinned_like, stage_to_host
 
 __all__ = [
     "TensorEntry",
@@ -182,7 +182,7 @@ def capture(
         if device_tensors == "stage":
             hosts = stage_to_host([tensors[i] for i in on_device])
         else:
-            hosts = [torch.empty(tensors[i].shape, dtype=tensors[i].dtype, pin_memory=True) for i in on_device]
+            hosts = [pinned_like(tensors[i]) for i in on_device]
         for i, host in zip(on_device, hosts):
             tensors[i] = host
         private.update(on_device)

@@ -163,7 +163,7 @@ class Runtime:
     def _exit_store_lost(self, silent_s: float) -> None:
         print(
             f"[torchpass] {self.wid} (rank {self.rank}): the store at {self.store_address.describe()} has not "
-            f"answered for {silent_s:.0f} s (store_timeout_s: {self.config.store_bound_s():g} s): node 0 is gone; exiting",
+            f"answered for {silent_s:.0f} s (store_timeout_s: {self.config.store_bound_s():g} s): {self.store_address.silence_means()}; exiting",
             file=sys.stderr,
             flush=True,
         )

@@ -246,7 +246,7 @@ def test_groups_created_under_the_local_default_start_local():
     opts = SimpleNamespace(group_rank=2, group_size=4, group_id="spare_pg", global_ranks_in_group=[], timeout=30.0, store=None)
     comms.set_local_mode_default(True)
     try:
-        created = comms._create(opts, None)
+        created = comms._creator(comms._KINDS[comms.BACKEND_NAME])(opts, None)
     finally:
         comms.set_local_mode_default(False)
     assert created.is_local

@@ -28,8 +28,8 @@ def test_nproc_per_node(value, spares, gpus, cpus, expected):
         ("gpu", 0, 0, "--nproc-per-node gpu: this node has no GPU torch can use"),
         ("gpu", 2, 2, "the node's 2 GPU(s) leave none for workers once each of the 2 spare(s) owns one"),
         ("auto", 4, 4, "--nproc-per-node auto: the node's 4 GPU(s) leave none"),
-        ("two", 0, 0, "--nproc-per-node: got 'two'; expected an integer, 'gpu', 'cpu' or 'auto'"),
-        ("0", 0, 0, "--nproc-per-node: got 0; expected an integer >= 1"),
+        ("two", 0, 0, "--nproc-per-node: got 'two'; expected an integer >= 1, 'gpu', 'cpu', 'auto'"),
+        ("0", 0, 0, "--nproc-per-node: got 0; expected an integer >= 1, 'gpu', 'cpu', 'auto'"),
     ],
 )
 def test_nproc_per_node_errors_name_the_flag_and_what_is_valid(value, spares, gpus, message):
