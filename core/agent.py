@@ -45,7 +45,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from . import nccl_transport
 from .config import TorchPassConfig, config_from_mapping
-from .control import Heartbeat, Keys, Mailbox, Report, StoreAddress, put, try_get
+from .control import Heartbeat, Keys, Mailbox, Report, StoreAddress, put, try_get, worker_id
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error, is_device_failure
 from .job_secret import SECRET_ENV
 from .signed_store import FORGED
@@ -189,9 +189,9 @@ class Agent:
     def start(self) -> None:
         s = self.spec
         for i in range(s.nproc_per_node):
-            self.spawn(f"n{s.node}-a{i}", "active", s.node * s.nproc_per_node + i, i)
+            self.spawn(worker_id(s.node, False, i), "active", s.node * s.nproc_per_node + i, i)
         for j in range(s.spares_per_node):
-            self.spawn(f"n{s.node}-s{j}", "spare", None, s.nproc_per_node + j)
+            self.spawn(worker_id(s.node, True, j), "spare", None, s.nproc_per_node + j)
 
     # ---- the tick --------------------------------------------------------------------
     def refresh_config(self) -> None:

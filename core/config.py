@@ -271,6 +271,13 @@ class TorchPassConfig:
     tolerance, and a dead job's processes do not hold their devices for minutes. Set, it must
     exceed ``heartbeat_timeout_s`` (a stall that long gets a node declared lost first)."""
 
+    controller_lease_s: int = field(default=5, metadata={"check": (_positive, "an integer >= 1")})
+    """On an etcd store (``--store etcd://``), how long the job goes without a controller after the
+    launcher running it dies or is cut off, before another launcher takes over (its etcd lease's TTL,
+    renewed every third of it). etcd grants at least its own minimum (about 2 s with its default
+    election timeout). 5 s: a launcher paused for less (a slow disk, a busy host) keeps the
+    controller, and a take-over costs less than one heartbeat timeout more than a node's loss."""
+
     rebuild_timeout_s: float = field(default=120.0, metadata={"check": (_positive, "a number > 0")})
     """Bound on building one generation's communicators. A member that dies mid-rebuild is
     detected by this timeout, so keep it well under the job's process-group timeout."""

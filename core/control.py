@@ -80,6 +80,15 @@ class Keys:
     shutdown = PREFIX + "shutdown"
     outcome = PREFIX + "outcome"
     events = PREFIX + "events"
+    controller = PREFIX + "controller/lease"
+    """Held by the launcher that runs the controller, on an etcd store (``core/controller_election.py``)."""
+    controller_state = PREFIX + "controller/state"
+    """What a controller taking over needs (``Controller.snapshot``), rewritten when it changes."""
+
+    @staticmethod
+    def controller_records(node: int) -> str:
+        """The controller's records of node n's processes, for a successor: rewritten when one of them changes."""
+        return f"{PREFIX}controller/records/{node}"
 
     @staticmethod
     def worker(wid: str) -> str:
@@ -209,6 +218,11 @@ def try_get(store: dist.Store, key: str, cls: type[T]) -> T | None:
     if not store.check([key]):
         return None
     return _from_json(cls, store.get(key))
+
+
+def worker_id(node: int, spare: bool, index: int) -> str:
+    """The id an agent gives a process it starts: ``n<node>-a<i>`` for active slot i, ``n<node>-s<j>`` for spare j."""
+    return f"n{node}-{'s' if spare else 'a'}{index}"
 
 
 @dataclass(frozen=True)
@@ -399,12 +413,17 @@ class Mailbox:
     then handed to ``on_bad`` and skipped.
     """
 
-    def __init__(self, store: dist.Store, key: str, missing_after_s: float = 10.0):
+    def __init__(self, store: dist.Store, key: str, missing_after_s: float = 10.0, read: int = 0):
         self._store = store
         self._key = key
-        self._read = 0
+        self._read = read
         self._missing_after_s = missing_after_s
         self._missing_since: float | None = None
+
+    @property
+    def read(self) -> int:
+        """How many entries this reader has taken (a reader that takes over from another starts there)."""
+        return self._read
 
     def post(self, record: Any) -> int:
         n = self._store.add(f"{self._key}/seq", 1)

@@ -5,6 +5,16 @@ ticked from the launcher's loop (no thread of its own). Its view of the job
 comes only from the store: reports in the ``events`` mailbox (from agents and
 workers), heartbeats, and the keys of the migration protocol.
 
+On an etcd store it runs in whichever launcher holds the controller's lease
+(``core/controller_election.py``) and can move: at the end of every tick that
+changed it, it writes :meth:`Controller.snapshot` (its decisions so far and
+how far it has read the mailbox) to ``Keys.controller_state``, and a launcher
+that takes over builds its controller from that record
+(:meth:`Controller.take_over`). The successor repeats at most the last tick
+of its predecessor, whose store writes repeat harmlessly (``end`` and ``go``
+are compare-and-set or the same value, a generation's plan already written
+is adopted, not made again); only a ledger line of that tick can appear twice.
+
 Per generation g it is in one of three phases:
 
 ``running``
@@ -59,6 +69,7 @@ from .control import (
     put,
     read_mirror,
     try_get,
+    worker_id,
 )
 from .rng import rng_digest
 from .safe_pickle import ForbiddenObject
@@ -132,8 +143,13 @@ class Controller:
         order: Callable[[int, dict[str, Any]], None],
         store_address: str,
         store_etcd: str | None = None,
+        node: int = 0,
+        state: dict[str, Any] | None = None,
     ):
+        """``node``: the node whose launcher runs it (it watches every other node's agent); ``state``: a
+        predecessor's :meth:`snapshot` to continue from (see :meth:`take_over`), or None for a new job."""
         self.store = store
+        self.node = node
         self.store_address = store_address
         self.store_etcd = store_etcd
         """The job's etcd URL when its control plane is on etcd (``workers.json`` tells operators' tools)."""
@@ -175,9 +191,134 @@ class Controller:
         """Ages of agents' and workers' heartbeats on this process's clock (never another host's)."""
         self._workers_dirty = False
         self._node_info: dict[int, Any] = {}
-        put(store, Keys.gen, 0)
-        put(store, Keys.job, {**asdict(spec), "config": config.to_dict()})
-        self.ledger.append(JobEvent("job_start", f"{spec.world_size} ranks on {spec.nnodes} node(s)", asdict(spec)))
+        self._layout_raw: dict[str, Any] | None = None
+        self._dirty_nodes: set[int] = set()
+        """Nodes one of whose process records changed since the last ``_persist_state``."""
+        self._record_nodes: set[int] = set()
+        """Nodes whose records a successor reads (``Keys.controller_records``)."""
+        self._persist = store_etcd is not None
+        """Write the snapshot for a successor (on an etcd store only: with node 0's TCPStore nobody could read it)."""
+        self._written_state = ""
+        if state is None:
+            put(store, Keys.gen, 0)
+            put(store, Keys.job, {**asdict(spec), "config": config.to_dict()})
+            self.ledger.append(JobEvent("job_start", f"{spec.world_size} ranks on {spec.nnodes} node(s)", asdict(spec)))
+            if self._persist:
+                self._persist_state()  # before any other launcher starts (they wait for the job): a successor always has one
+        else:
+            self._restore(state)
+
+    # ---- taking over -------------------------------------------------------------
+    @classmethod
+    def take_over(
+        cls,
+        store: dist.Store,
+        run_dir: Path,
+        say: Callable[[str], None],
+        order: Callable[[int, dict[str, Any]], None],
+        store_address: str,
+        store_etcd: str,
+        node: int,
+    ) -> "Controller":
+        """The controller of a job whose controller was lost, continuing from the state it wrote last."""
+        raw = try_get_text(store, Keys.controller_state)
+        if raw is None:
+            raise RuntimeError("the job's controller was lost before it wrote any state a successor could continue from")
+        state = json.loads(raw)
+        spec = JobSpec(**state["spec"])
+        config = config_from_mapping(state["config"], source="the lost controller's state")
+        return cls(store, spec, run_dir, config, say, order, store_address, store_etcd, node=node, state=state)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything this controller decided that the store's keys do not hold, as JSON (see the module docstring).
+
+        Its size follows the changes, not the job: the members as their differences from the launch placement,
+        the processes' records apart, per node (``Keys.controller_records``, written when one changes). At
+        16,384 ranks the whole state as one value was 3.3 MB (over etcd's default 1.5 MiB request limit) and
+        136 ms to encode, every tick.
+        """
+        m = self.migration
+        world = self.spec.world_size
+        return {
+            "spec": asdict(self.spec),
+            "config": self.config.to_dict(),
+            "events_read": self.events.read,
+            "generation": self.generation,
+            "members_moved": {str(r): w for r, w in self.members.items() if w != self._launch_member(r)},
+            "members_unknown": [r for r in range(world) if r not in self.members] if len(self.members) < world else [],
+            "record_nodes": sorted(self._record_nodes),
+            "spares": self.spares,
+            "finished": sorted(self.finished),
+            "lost_wids": sorted(self.lost_wids),
+            "layout": self._layout_raw,
+            "attached": "all" if len(self.attached) == world else sorted(self.attached),
+            "migration": None if m is None else _migration_to_json(m),
+            "sticky": {str(r): w for r, w in self.sticky.items()},
+            "deferred_drains": {str(r): list(v) for r, v in self._deferred_drains.items()},
+            "no_loss_repeats": list(self._no_loss_repeats) if self._no_loss_repeats else None,
+            "nodes_lost": sorted(self.nodes_lost),
+            "lost_after_training": sorted(self.lost_after_training),
+            "forged_records": self.forged_records,
+        }
+
+    def _launch_member(self, rank: int) -> str:
+        return worker_id(rank // self.spec.nproc_per_node, False, rank % self.spec.nproc_per_node)
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        world = self.spec.world_size
+        self.events = Mailbox(self.store, Keys.events, read=int(state["events_read"]))
+        self.generation = int(state["generation"])
+        unknown = set(state["members_unknown"])
+        self.members = {r: self._launch_member(r) for r in range(world) if r not in unknown}
+        self.members.update({int(r): w for r, w in state["members_moved"].items()})
+        self._record_nodes = set(state["record_nodes"])
+        nodes = sorted(self._record_nodes)
+        for records in gather(self.store, [Keys.controller_records(n) for n in nodes], list):
+            for raw in records:
+                rec = WorkerRecord(**raw)
+                self.records[rec.wid] = rec
+                self.node_of[rec.wid] = rec.node
+        self.spares = {w: int(n) for w, n in state["spares"].items()}
+        self.finished = set(state["finished"])
+        self.lost_wids = set(state["lost_wids"])
+        if state["layout"] is not None:
+            self._layout_raw = state["layout"]
+            self.layout = layout_from_dict(state["layout"])
+        self.attached = set(range(world)) if state["attached"] == "all" else set(state["attached"])
+        self.migration = None if state["migration"] is None else _migration_from_json(state["migration"], self.members)
+        self.sticky = {int(r): w for r, w in state["sticky"].items()}
+        self._deferred_drains = {int(r): (v[0], v[1]) for r, v in state["deferred_drains"].items()}
+        self._no_loss_repeats = tuple(state["no_loss_repeats"]) if state["no_loss_repeats"] else None  # type: ignore[assignment]
+        self.nodes_lost = set(state["nodes_lost"])
+        self.lost_after_training = set(state["lost_after_training"])
+        self.forged_records = int(state["forged_records"])
+        self._written_state = json.dumps(state, sort_keys=True)
+        cut = self.ledger.drop_torn_line()
+        self.ledger.append(
+            JobEvent(
+                "controller_takeover",
+                f"node {self.node} took over the controller at generation {self.generation}"
+                + (f", migration to generation {self.migration.generation} {self.migration.phase}" if self.migration else ""),
+                {"node": self.node, "generation": self.generation, "torn_ledger_bytes": cut},
+            )
+        )
+        self._write_workers_json()
+
+    def _persist_state(self) -> None:
+        """Write what changed for a successor: the changed nodes' records first, then the state that names them."""
+        if self._dirty_nodes:
+            by_node: dict[int, list[dict[str, Any]]] = {n: [] for n in self._dirty_nodes}
+            for rec in self.records.values():
+                if rec.node in by_node:
+                    by_node[rec.node].append(dict(vars(rec)))
+            nodes = sorted(by_node)
+            self.store.multi_set([Keys.controller_records(n) for n in nodes], [json.dumps(by_node[n]) for n in nodes])
+            self._record_nodes |= self._dirty_nodes
+            self._dirty_nodes = set()
+        text = json.dumps(self.snapshot(), sort_keys=True)
+        if text != self._written_state:
+            self.store.set(Keys.controller_state, text)
+            self._written_state = text
 
     # ---- bookkeeping -----------------------------------------------------------
     def _write_workers_json(self) -> None:
@@ -225,11 +366,14 @@ class Controller:
         if rank is not None:
             rec.rank = rank
         rec.generation = self.generation
+        self._dirty_nodes.add(rec.node)
 
     # ---- the tick ----------------------------------------------------------------
     def tick(self) -> None:
         if self.outcome is None:
             self._tick()
+            if self._persist:
+                self._persist_state()
         self._flush_workers_json()
 
     def _tick(self) -> None:
@@ -266,6 +410,7 @@ class Controller:
             rec = WorkerRecord(report.wid, report.node, int(report.detail["pid"]), report.detail["role"], report.rank, self.generation)
             self.records[report.wid] = rec
             self.node_of[report.wid] = report.node
+            self._dirty_nodes.add(report.node)
             if report.rank is not None and report.detail["role"] == "active":
                 self.members[report.rank] = report.wid
             self._write_workers_json()
@@ -288,6 +433,7 @@ class Controller:
             self._beats.forget(_PROGRESS)
         detail = report.detail
         if report.rank == 0 and self.layout is None:
+            self._layout_raw = detail["layout"]
             self.layout = layout_from_dict(detail["layout"])
             self.config = config_from_mapping(detail["config"], source="the job's torchpass config (rank 0)")
             self.store.set(Keys.state_bytes, str(int(detail["state_bytes"])))
@@ -413,7 +559,7 @@ class Controller:
         declared by ``_check_nodes`` after the full timeout, which may come a scan later.
         """
         key = Keys.node_beat(node)
-        if node == 0 or not self.store.check([key]):
+        if node == self.node or not self.store.check([key]):
             return False
         return self._beats.age(("node", node), int(self.store.get(key))) > 2 * self.config.heartbeat_interval_s
 
@@ -423,7 +569,8 @@ class Controller:
         if now - self._last_node_scan < self.config.heartbeat_interval_s:
             return
         self._last_node_scan = now
-        self.node_heartbeat_ages = self._node_heartbeats([n for n in range(1, self.spec.nnodes) if n not in self.nodes_lost])
+        watched = [n for n in range(self.spec.nnodes) if n != self.node and n not in self.nodes_lost]
+        self.node_heartbeat_ages = self._node_heartbeats(watched)
         for node, age in self.node_heartbeat_ages.items():
             if age <= self.config.heartbeat_timeout_s:
                 continue
@@ -638,6 +785,11 @@ class Controller:
             sticky=self.sticky,
             cause=m.cause,
         )
+        written = try_get(self.store, Keys.plan(m.generation), Plan)
+        if written is not None:
+            # A predecessor made this plan and was lost before it recorded doing so: members may be acting on it.
+            self._adopt_plan(m, written)
+            return
         result = plan_migration(inp)
         if isinstance(result, Disqualified) and result.reason == "no_spare" and self._await_starting_spares(m, result.message):
             return
@@ -656,9 +808,14 @@ class Controller:
             return
         if self._repeats_without_loss(m, result.target_version + 1):
             return
+        result.moved = self._moved({**self.members, **{int(r): w for r, w in result.joins.items()}})
+        self._adopt_plan(m, result)
+
+    def _adopt_plan(self, m: _Migration, result: Plan) -> None:
+        """Publish ``result`` (again, when a predecessor wrote it: the same bytes) and wait for its members."""
         m.plan = result
+        m.t_plan = m.t_plan or time.time()
         m.members = {**self.members, **{int(r): w for r, w in result.joins.items()}}
-        result.moved = self._moved(m.members)
         for rank_s, new in result.joins.items():
             self.sticky[int(rank_s)] = new
             self.spares.pop(new, None)
@@ -908,6 +1065,27 @@ class Controller:
     def stop_on_request(self, message: str) -> None:
         """The launcher was told to stop (SIGINT) or lost a node it cannot replace."""
         self._stop(130, message, DISQUALIFYING)
+
+
+def _migration_to_json(m: _Migration) -> dict[str, Any]:
+    """A migration as JSON; its members are left out: they are the job's members with the plan's joins."""
+    out = asdict(m)
+    del out["members"]
+    for name in ("failed", "draining", "silent"):
+        out[name] = sorted(out[name])
+    out["fenced"] = {str(r): why for r, why in m.fenced.items()}
+    return out
+
+
+def _migration_from_json(data: dict[str, Any], members: dict[int, str]) -> _Migration:
+    m = _Migration(**data)
+    for name in ("failed", "draining", "silent"):
+        setattr(m, name, set(getattr(m, name)))
+    m.fenced = {int(r): why for r, why in m.fenced.items()}
+    if m.plan is not None:
+        m.plan = Plan(**m.plan)  # type: ignore[arg-type]
+        m.members = {**members, **{int(r): w for r, w in m.plan.joins.items()}}
+    return m
 
 
 class _StoreMirrors(Mapping[int, MirrorInfo]):

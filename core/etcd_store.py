@@ -12,7 +12,8 @@ one prefix per job, so jobs share a cluster without seeing each other's keys.
 How each store operation maps onto etcd, and why it is safe under concurrency:
 
 * ``set``/``get``/``check``/``delete_key``: one put, range or delete;
-  ``multi_get``/``multi_set``: one transaction, so a reader never sees half;
+  ``multi_get``/``multi_set``: one transaction per ``MAX_TXN_OPS`` keys, so a reader
+  never sees half of a write of that many;
 * ``add``: a read, then a transaction that writes ``value + amount`` only if
   the key's ``mod_revision`` is still the one read (``create_revision == 0``
   for a key that did not exist), retried until it commits: no lost update;
@@ -21,6 +22,12 @@ How each store operation maps onto etcd, and why it is safe under concurrency:
   the operation, or ``expected`` for a missing key that was not created;
 * ``wait``: a range over the missing keys, then a watch from the revision
   after that read, so a key written between the two is never missed.
+
+A store made by :meth:`EtcdStore.guarded` writes only while a guard key still
+has the create revision it was given (one comparison more in every write's
+transaction): the controller's fencing token (``core/controller_election.py``).
+When the guard has changed, the write is not made and :class:`GuardLost` is
+raised, so a controller that lost its lease cannot act after another took over.
 
 Endpoints: a client talks to one member and moves to the next when that one
 does not answer (refused, reset, timed out); an operation fails, naming every
@@ -31,20 +38,30 @@ and writes go through the raft leader) makes every member's answer the same.
 from __future__ import annotations
 
 import base64
+import re
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qsl, urlsplit
 
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_PREFIX", "EtcdStore", "EtcdTarget", "job_url", "parse_etcd_url", "shown_url"]
+__all__ = ["DEFAULT_PREFIX", "EtcdStore", "EtcdTarget", "GuardLost", "job_url", "parse_etcd_url", "shown_url"]
 
 DEFAULT_PREFIX = "/torchpass"
 """Where jobs' keys live when the URL names no path."""
 
 
+
+_TOKEN_REFUSED = re.compile(r"auth token|user name is empty")
+"""etcd's answers to a request whose token the member does not hold (it was issued elsewhere, or expired)."""
+
+MAX_TXN_OPS = 128
+"""Operations per etcd transaction: etcd's default ``--max-txn-ops``, which refuses larger ones. Longer
+``multi_get``/``multi_set``/``check`` requests are split; each part is atomic, the whole is not (no caller of a
+large one needs it: the members' records it reads were each written whole)."""
 
 _REQUEST_TIMEOUT_S = 10.0
 """Longest wait for one member's answer before the next member is asked: a stopped member costs at most this."""
@@ -69,19 +86,30 @@ class EtcdTarget:
     """``?cert=``: this client's certificate, for clusters that authenticate clients (``--cert``)."""
     cert_key: str | None = None
     """``?key=``: that certificate's key (``--key``)."""
+    user: str | None = None
+    """The URL's user (``etcd://NAME@host:2379``): for a cluster with authentication enabled (etcdctl's ``--user``)."""
+    password_file: str | None = None
+    """``?password-file=``: a file holding that user's password (never the URL itself: it shows in ``ps``)."""
 
 
 _TLS_QUERY = ("cacert", "cert", "key")
+_QUERY = (*_TLS_QUERY, "password-file")
 
 
 def parse_etcd_url(url: str) -> EtcdTarget:
-    """``etcd://h1:2379,h2:2379[/prefix]`` or ``etcds://...?cacert=F&cert=F&key=F`` -> :class:`EtcdTarget`;
-    ValueError naming the bad part."""
+    """``etcd://[USER@]h1:2379,h2:2379[/prefix][?password-file=F]`` or ``etcds://...?cacert=F&cert=F&key=F`` ->
+    :class:`EtcdTarget`; ValueError naming the bad part."""
     parts = urlsplit(url)
     if parts.scheme not in ("etcd", "etcds"):
-        raise ValueError(f"--store {url!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] or etcds://... for TLS")
+        raise ValueError(f"--store {shown_url(url)!r}: expected etcd://HOST:PORT[,HOST:PORT...][/PREFIX] or etcds://... for TLS")
+    userinfo, _, hosts = parts.netloc.rpartition("@")
+    if ":" in userinfo:
+        raise ValueError(
+            f"--store {shown_url(url)!r}: a password in the URL would show in `ps` and in the run directory; "
+            "write it to a file readable only by you and give ?password-file=FILE"
+        )
     endpoints = []
-    for item in filter(None, parts.netloc.split(",")):
+    for item in filter(None, hosts.split(",")):
         host, _, port = item.rpartition(":")
         if not host or not port.isdigit():
             raise ValueError(f"--store {url!r}: endpoint {item!r} is not HOST:PORT")
@@ -89,11 +117,13 @@ def parse_etcd_url(url: str) -> EtcdTarget:
     if not endpoints:
         raise ValueError(f"--store {url!r}: no endpoint given")
     query = dict(parse_qsl(parts.query))
-    unknown = sorted(set(query) - set(_TLS_QUERY))
+    unknown = sorted(set(query) - set(_QUERY))
     if unknown:
-        raise ValueError(f"--store {url!r}: unknown option(s) {unknown}; valid: {list(_TLS_QUERY)}")
-    if query and parts.scheme != "etcds":
+        raise ValueError(f"--store {url!r}: unknown option(s) {unknown}; valid: {list(_QUERY)}")
+    if set(query) & set(_TLS_QUERY) and parts.scheme != "etcds":
         raise ValueError(f"--store {url!r}: TLS options need etcds://")
+    if bool(userinfo) != ("password-file" in query):
+        raise ValueError(f"--store {url!r}: a user (etcd://USER@HOST:PORT) and ?password-file=FILE go together")
     return EtcdTarget(
         tuple(endpoints),
         prefix=parts.path.rstrip("/") or DEFAULT_PREFIX,
@@ -101,6 +131,8 @@ def parse_etcd_url(url: str) -> EtcdTarget:
         ca_cert=query.get("cacert"),
         cert_cert=query.get("cert"),
         cert_key=query.get("key"),
+        user=userinfo or None,
+        password_file=query.get("password-file"),
     )
 
 
@@ -109,11 +141,23 @@ def shown_url(url: str) -> str:
     return url.split("?", 1)[0]
 
 
+def _password(target: EtcdTarget) -> str:
+    assert target.password_file is not None
+    try:
+        return Path(target.password_file).read_text().rstrip("\n")
+    except OSError as exc:
+        raise dist.DistStoreError(f"etcd store: cannot read the password of user {target.user!r} from {target.password_file}: {exc}") from None
+
+
 def job_url(url: str, job_id: str) -> str:
     """The store URL of one job: ``url`` with the job's id appended to its prefix."""
     parts = urlsplit(url)
     path = (parts.path.rstrip("/") or DEFAULT_PREFIX) + "/" + job_id
     return parts._replace(path=path).geturl()
+
+
+class GuardLost(dist.DistStoreError):
+    """A guarded store's write refused: its guard key no longer has the create revision it was given."""
 
 
 def _b64(data: bytes) -> str:
@@ -127,13 +171,16 @@ def _bytes(value: bytes | str) -> bytes:
 class EtcdStore(dist.Store):
     """A ``torch.distributed.Store`` whose keys are etcd keys under ``prefix`` (see the module docstring)."""
 
-    def __init__(self, target: EtcdTarget, timeout: timedelta = timedelta(seconds=300)):
+    def __init__(self, target: EtcdTarget, timeout: timedelta = timedelta(seconds=300), guard: tuple[str, int] | None = None):
         super().__init__()
         import etcd3gw  # the etcd extra: imported only by jobs that name an etcd store
 
         self._etcd3gw = etcd3gw
+        self._target = target
         self._prefix = target.prefix.rstrip("/") + "/"
         self._timeout = timeout
+        self._guard = guard
+        """(key, create revision) every write of this store compares first; None: unguarded."""
         self._clients = [
             etcd3gw.client(
                 host=host,
@@ -148,6 +195,13 @@ class EtcdStore(dist.Store):
             for host, port in target.endpoints
         ]
         self._current = 0
+        self._password = _password(target) if target.user else None
+        self._authenticated: set[int] = set()
+        """Members (client indices) whose session carries a token: etcd's tokens are per member."""
+
+    def guarded(self, key: str, create_revision: int) -> "EtcdStore":
+        """A store on the same cluster and prefix whose writes commit only while ``key`` has ``create_revision``."""
+        return EtcdStore(self._target, self._timeout, (key, create_revision))
 
     # ---- transport --------------------------------------------------------------------
     def _call(self, op: Callable[[Any], Any]) -> Any:
@@ -155,9 +209,19 @@ class EtcdStore(dist.Store):
         errors = []
         gone = self._etcd3gw.exceptions
         for attempt in range(len(self._clients)):
-            client = self._clients[(self._current + attempt) % len(self._clients)]
+            index = (self._current + attempt) % len(self._clients)
+            client = self._clients[index]
             try:
-                result = op(client)
+                if self._password is not None and index not in self._authenticated:
+                    self._authenticate(index)
+                try:
+                    result = op(client)
+                except gone.Etcd3Exception as exc:
+                    if self._password is None or not _TOKEN_REFUSED.search(exc.detail_text or ""):
+                        raise
+                    # The member forgot the token (restarted, or its TTL ran out while the job was quiet): a new one.
+                    self._authenticate(index)
+                    result = op(client)
             except (gone.ConnectionFailedError, gone.ConnectionTimeoutError, gone.InternalServerError) as exc:
                 # Down, cut off, or without a leader for now (etcd answers 500 during an election): the next member.
                 errors.append(f"{client.host}:{client.port}: {type(exc).__name__}")
@@ -168,25 +232,87 @@ class EtcdStore(dist.Store):
             return result
         raise dist.DistNetworkError(f"etcd store: no member answered ({'; '.join(errors)})")
 
+    def _authenticate(self, index: int) -> None:
+        client = self._clients[index]
+        client.session.headers.pop("Authorization", None)
+        try:
+            result = client.post(client.get_url("/auth/authenticate"), json={"name": self._target.user, "password": self._password})
+        except self._etcd3gw.exceptions.Etcd3Exception as exc:
+            if isinstance(exc, (self._etcd3gw.exceptions.ConnectionFailedError, self._etcd3gw.exceptions.ConnectionTimeoutError)):
+                raise
+            raise dist.DistStoreError(
+                f"etcd store at {client.host}:{client.port}: user {self._target.user!r} could not log in "
+                f"(password from {self._target.password_file}): {exc.detail_text}"
+            ) from None
+        client.session.headers["Authorization"] = result["token"]
+        self._authenticated.add(index)
+
     def _txn(self, txn: dict[str, Any]) -> dict[str, Any]:
         return self._call(lambda c: c.transaction(txn))
+
+    def _write(self, compare: list[dict[str, Any]], success: list[dict[str, Any]], failure: list[dict[str, Any]]) -> dict[str, Any]:
+        """One write transaction, with the guard's comparison first when this store has one (GuardLost if it fails)."""
+        if self._guard is None:
+            return self._txn({"compare": compare, "success": success, "failure": failure})
+        key, revision = self._guard
+        guard = {"key": self._key(key), "result": "EQUAL", "target": "CREATE", "create_revision": str(revision)}
+        result = self._txn({"compare": [guard, *compare], "success": success, "failure": failure})
+        if not result.get("succeeded") and self.create_revision(key) != revision:
+            raise GuardLost(f"etcd store: {self._prefix + key} is no longer the one created at revision {revision}; write refused")
+        return result
+
+    def create_revision(self, key: str) -> int:
+        """The revision at which ``key`` was created (0: it does not exist)."""
+        result = self._call(lambda c: c.post(c.get_url("/kv/range"), json={"key": self._key(key)}))
+        kvs = result.get("kvs", [])
+        return int(kvs[0]["create_revision"]) if kvs else 0
+
+    def create(self, key: str, value: bytes | str, lease: int) -> int:
+        """Create ``key`` attached to ``lease`` if it does not exist; its create revision, or 0 if it existed."""
+        absent = {"key": self._key(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
+        put = {"request_put": {"key": self._key(key), "value": _b64(_bytes(value)), "lease": str(lease)}}
+        result = self._txn({"compare": [absent], "success": [put], "failure": []})
+        return int(result["header"]["revision"]) if result.get("succeeded") else 0
+
+    def grant_lease(self, ttl_s: int) -> int:
+        """A new lease of ``ttl_s`` seconds (etcd may grant more: its minimum); returns its id."""
+        result = self._call(lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": ttl_s, "ID": 0}))
+        return int(result["ID"])
+
+    def refresh_lease(self, lease: int) -> int:
+        """Renew ``lease``: its TTL in seconds, or -1 when it has expired already."""
+        result = self._call(lambda c: c.post(c.get_url("/lease/keepalive"), json={"ID": lease}))
+        return int(result.get("result", {}).get("TTL", -1))
+
+    def revoke_lease(self, lease: int) -> None:
+        """End ``lease`` now: the keys attached to it are deleted."""
+        self._call(lambda c: c.post(c.get_url("/kv/lease/revoke"), json={"ID": lease}))
 
     def _key(self, key: str) -> str:
         return _b64((self._prefix + key).encode())
 
     def _range(self, keys: list[str]) -> tuple[dict[str, bytes], int]:
-        """The present ``keys``' values, and the store's revision at that read."""
-        result = self._txn({"compare": [], "success": [{"request_range": {"key": self._key(k)}} for k in keys], "failure": []})
+        """The present ``keys``' values, and the store's revision at the first of the reads (one per
+        ``MAX_TXN_OPS`` keys): a watch from the revision after it misses no write made since."""
         values = {}
-        for key, response in zip(keys, result.get("responses", [])):
-            kvs = response.get("response_range", {}).get("kvs", [])
-            if kvs:
-                values[key] = base64.b64decode(kvs[0].get("value", ""))
-        return values, int(result["header"]["revision"])
+        revision = None
+        for i in range(0, max(len(keys), 1), MAX_TXN_OPS):
+            chunk = keys[i : i + MAX_TXN_OPS]
+            result = self._txn({"compare": [], "success": [{"request_range": {"key": self._key(k)}} for k in chunk], "failure": []})
+            for key, response in zip(chunk, result.get("responses", [])):
+                kvs = response.get("response_range", {}).get("kvs", [])
+                if kvs:
+                    values[key] = base64.b64decode(kvs[0].get("value", ""))
+            revision = int(result["header"]["revision"]) if revision is None else revision
+        assert revision is not None
+        return values, revision
 
     # ---- the c10d store API -----------------------------------------------------------
     def set(self, key: str, value: bytes | str) -> None:
-        self._call(lambda c: c.post(c.get_url("/kv/put"), json={"key": self._key(key), "value": _b64(_bytes(value))}))
+        if self._guard is None:
+            self._call(lambda c: c.post(c.get_url("/kv/put"), json={"key": self._key(key), "value": _b64(_bytes(value))}))
+        else:
+            self._write([], [{"request_put": {"key": self._key(key), "value": _b64(_bytes(value))}}], [])
 
     def get(self, key: str) -> bytes:
         return self._await([key], None)[key]
@@ -200,7 +326,8 @@ class EtcdStore(dist.Store):
 
     def multi_set(self, keys: list[str], values: list[bytes | str]) -> None:
         puts = [{"request_put": {"key": self._key(k), "value": _b64(_bytes(v))}} for k, v in zip(keys, values)]
-        self._txn({"compare": [], "success": puts, "failure": []})
+        for i in range(0, len(puts), MAX_TXN_OPS):
+            self._write([], puts[i : i + MAX_TXN_OPS], [])
 
     def add(self, key: str, amount: int) -> int:
         while True:
@@ -214,7 +341,7 @@ class EtcdStore(dist.Store):
                 guard = {"key": self._key(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
             new = current + amount
             put = {"request_put": {"key": self._key(key), "value": _b64(str(new).encode())}}
-            if self._txn({"compare": [guard], "success": [put], "failure": []}).get("succeeded"):
+            if self._write([guard], [put], []).get("succeeded"):
                 return new
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
@@ -223,12 +350,8 @@ class EtcdStore(dist.Store):
             guard = {"key": self._key(key), "result": "EQUAL", "target": "VALUE", "value": _b64(expected_b)}
         else:
             guard = {"key": self._key(key), "result": "EQUAL", "target": "CREATE", "create_revision": 0}
-        result = self._txn(
-            {
-                "compare": [guard],
-                "success": [{"request_put": {"key": self._key(key), "value": _b64(desired_b)}}],
-                "failure": [{"request_range": {"key": self._key(key)}}],
-            }
+        result = self._write(
+            [guard], [{"request_put": {"key": self._key(key), "value": _b64(desired_b)}}], [{"request_range": {"key": self._key(key)}}]
         )
         if result.get("succeeded"):
             return desired_b
@@ -236,8 +359,11 @@ class EtcdStore(dist.Store):
         return base64.b64decode(kvs[0].get("value", "")) if kvs else expected_b
 
     def delete_key(self, key: str) -> bool:
-        result = self._call(lambda c: c.post(c.get_url("/kv/deleterange"), json={"key": self._key(key)}))
-        return int(result.get("deleted", 0)) > 0
+        if self._guard is None:
+            result = self._call(lambda c: c.post(c.get_url("/kv/deleterange"), json={"key": self._key(key)}))
+            return int(result.get("deleted", 0)) > 0
+        result = self._write([], [{"request_delete_range": {"key": self._key(key)}}], [])
+        return int(result["responses"][0].get("response_delete_range", {}).get("deleted", 0)) > 0
 
     def _whole_prefix(self) -> dict[str, str]:
         prefix = self._prefix.encode()

@@ -2,7 +2,10 @@
 
 The launcher of node 0 hosts the control-plane ``TCPStore`` (also the
 workers' ``env://`` rendezvous store, as torchrun's agent store is) and runs
-the controller; every launcher runs its node's agent. Everything the user can
+the controller; every launcher runs its node's agent. On an etcd store the
+controller runs in whichever launcher holds its lease (node 0's first), and
+another launcher takes it over when that one is lost
+(``core/controller_election.py``). Everything the user can
 get wrong is checked before anything is started or written: the config, the
 sizes, the script, the store address.
 """
@@ -35,7 +38,8 @@ from .timeline import FILE as TIMELINE_FILE
 from .timeline import SAMPLE_S, Timeline, take_sample
 from .node_signals import NodeSignalSource, NodeSignalWatcher
 from .slurm import SlurmDrainSource, slurm_available, slurm_node_name, slurm_placement
-from .etcd_store import EtcdStore, job_url, parse_etcd_url, shown_url
+from .etcd_store import EtcdStore, GuardLost, job_url, parse_etcd_url, shown_url
+from .controller_election import ControllerLease
 from .config import ConfigError, TorchPassConfig, positive_int, config_from_mapping, deep_merge, load_preset, load_scenario, parse_xids
 from .control import Keys, Mailbox, Report, signed
 from .controller import Controller, JobSpec
@@ -164,6 +168,49 @@ def _rdzv_conf(text: str) -> dict[str, str]:
         key, _, value = part.partition("=")
         out[key.strip()] = value.strip()
     return out
+
+
+_CAMPAIGN_INTERVAL_S = 0.5
+"""How often a launcher that does not run the controller looks whether its lease is free (one etcd read)."""
+
+
+def _orders(store: Any, nnodes: int) -> Any:
+    """The controller's way to post an order (fence, retire) to node ``n``'s agent."""
+    mail = {n: Mailbox(store, Keys.node_mail(n)) for n in range(nnodes)}
+    return lambda node, order: mail[node].post(order) if node in mail else None
+
+
+def _take_over(
+    lease: ControllerLease, store: Any, secret: bytes, join_timeout: float, run_dir: Path, say: _Console, nnodes: int,
+    address: str, store_etcd: str | None,
+) -> Controller | None:
+    """This launcher's controller when the lease is free and it wins it (the last one was lost), else None."""
+    if not lease.free() or not lease.campaign():
+        return None
+    assert store_etcd is not None
+    say(f"the controller's lease was free (the launcher that ran it is gone): node {say.node} takes the controller over")
+    cstore = signed(lease.guarded(), secret, timedelta(seconds=join_timeout))
+    t0 = time.monotonic()
+    controller = Controller.take_over(cstore, run_dir, say, _orders(cstore, nnodes), address, store_etcd, say.node)
+    say(f"controller taken over at generation {controller.generation} in {time.monotonic() - t0:.2f} s")
+    return controller
+
+
+def _metrics_after_take_over(controller: Controller, say: _Console) -> JobMetrics | None:
+    """The job's metrics follow its controller: served from this host now, on the configured port (a port taken
+    here costs the metrics, said once, never the job)."""
+    at = controller.config.metrics
+    if not at.port:
+        return None
+    metrics = JobMetrics()
+    try:
+        metrics.serve(at.host, at.port)
+    except OSError as exc:
+        say(f"metrics.port: cannot serve metrics on {at.host}:{at.port} on this host ({exc}); the job goes on without them")
+        return None
+    controller.ledger.listeners.append(metrics.on_event)
+    say(f"metrics for Prometheus now at http://{at.host}:{at.port}/metrics on node {say.node}")
+    return metrics
 
 
 def _prepare_run_dir(run_dir: Path) -> None:
@@ -328,6 +375,11 @@ def _launch(args: argparse.Namespace) -> int:
         except (RuntimeError, OSError) as exc:
             raise LaunchError(f"cannot reach the torchpass store of node 0 at {host}:{port} within {join_timeout:.0f} s: {exc}") from None
     store = signed(base, secret, timedelta(seconds=join_timeout))
+    lease = None
+    if isinstance(base, EtcdStore):
+        lease = ControllerLease(base, args.node_rank, config.controller_lease_s)
+        if args.node_rank == 0 and not lease.campaign():
+            raise LaunchError(f"--store: another launcher holds the controller of job {run_id!r} on {store_shown}; give a new --rdzv-id")
     if args.node_rank != 0 and not store.check([Keys.job]):
         raise LaunchError(
             f"node 0's store at {host}:{port} holds a job not sealed with this node's secret ({secret_from}): "
@@ -356,11 +408,8 @@ def _launch(args: argparse.Namespace) -> int:
     controller = None
     if args.node_rank == 0:
         job = JobSpec(nnodes * nproc, nnodes, nproc, spares, run_id, [sys.executable, *target])
-        mail = {n: Mailbox(store, Keys.node_mail(n)) for n in range(nnodes)}
-        controller = Controller(
-            store, job, run_dir, config, say, lambda node, order: mail[node].post(order) if node in mail else None, f"{host}:{port}",
-            store_etcd,
-        )
+        cstore = store if lease is None else signed(lease.guarded(), secret, timedelta(seconds=join_timeout))
+        controller = Controller(cstore, job, run_dir, config, say, _orders(cstore, nnodes), f"{host}:{port}", store_etcd)
     if controller is not None and metrics is not None:
         controller.ledger.listeners.append(metrics.on_event)
         say(f"metrics for Prometheus at http://{config.metrics.host}:{config.metrics.port}/metrics")
@@ -382,11 +431,23 @@ def _launch(args: argparse.Namespace) -> int:
     draining = False
     last_config_check = 0.0
     last_sample = 0.0
+    last_campaign = time.time()
     timeline = Timeline(run_dir)
     while True:
+        if controller is not None and lease is not None and not lease.held:
+            say(f"this launcher no longer runs the controller: {lease.lost_because}")
+            controller = None
         if controller is not None:
-            agent.tick()
-            controller.tick()
+            try:
+                agent.tick()
+                controller.tick()
+            except GuardLost as exc:
+                say(f"this launcher no longer runs the controller: another holds its lease ({exc})")
+                controller = None
+                continue
+            except dist.DistError as exc:
+                # Only an etcd store fails this way (node 0's TCPStore is in this process): no member answered.
+                agent.abandon(f"lost the store at {store_shown}: {exc}", STORE_LOST_EXIT)
             if time.time() - last_sample >= SAMPLE_S:
                 last_sample = time.time()
                 sample = take_sample(controller)
@@ -400,6 +461,11 @@ def _launch(args: argparse.Namespace) -> int:
                 agent.tick()
                 if store.check([Keys.shutdown]):
                     break
+                if lease is not None and time.time() - last_campaign >= _CAMPAIGN_INTERVAL_S:
+                    last_campaign = time.time()
+                    controller = _take_over(lease, store, secret, join_timeout, run_dir, say, nnodes, f"{host}:{port}", store_etcd)
+                    if controller is not None and metrics is None:
+                        metrics = _metrics_after_take_over(controller, say)
             except dist.DistError as exc:
                 # Node 0's store went away (a stopped or unreachable one is the agent's watchdog's case).
                 agent.abandon(f"lost the store at {store_shown}: {exc}", STORE_LOST_EXIT)
@@ -424,7 +490,7 @@ def _launch(args: argparse.Namespace) -> int:
                 break
             agent.stop_all()
             return 143
-        if draining and args.node_rank != 0 and not agent.alive():
+        if draining and controller is None and not agent.alive():
             say("node drained")
             return 0
         if time.time() - last_config_check > 2.0:
@@ -452,6 +518,8 @@ def _launch(args: argparse.Namespace) -> int:
         if isinstance(base, EtcdStore):
             # The job's keys go with it: the same --rdzv-id can run again (a crashed job's stay, and block that).
             base.delete_prefix()
+    if lease is not None:
+        lease.resign()
     if code == 0:
         say(f"job finished: {message}")
     else:

@@ -86,6 +86,18 @@ class Ledger:
         self.listeners: list[Callable[[MigrationEvent | JobEvent], None]] = []
         """Called with each event once it is on disk (the live metrics, ``core/metrics.py``)."""
 
+    def drop_torn_line(self) -> int:
+        """Cut a last line a killed writer left half-written (a controller taking over appends after it); bytes cut."""
+        if not self.path.exists():
+            return 0
+        with self._lock, open(self.path, "rb+") as f:
+            data = f.read()
+            keep = data.rfind(b"\n") + 1
+            if keep == len(data):
+                return 0
+            f.truncate(keep)
+            return len(data) - keep
+
     def append(self, event: MigrationEvent | JobEvent) -> None:
         line = json.dumps(dataclasses.asdict(event), sort_keys=True)
         with self._lock, open(self.path, "a", encoding="utf-8") as f:

@@ -32,6 +32,7 @@ import sys
 import traceback
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 from . import comms, devices, integrations, liveness, runtime
@@ -94,6 +95,22 @@ def _become_rank(rank: int) -> None:
     os.environ["TORCHPASS_ROLE"] = "active"
 
 
+_own_setup_store: list[dist.TCPStore] = []
+"""The set-up store a spare hosts for itself on an etcd job (kept alive as long as the process)."""
+
+
+def _host_own_setup_store() -> None:
+    """Point a spare's ``init_process_group`` at a store of its own, on a job whose control plane is on etcd.
+
+    The script's ``env://`` rendezvous connects to ``MASTER_ADDR:MASTER_PORT``, node 0's set-up store. A spare's
+    groups start local and join the generation through the job's store, so that store is never read; but node 0
+    may be the host that was lost (and the controller moved): a connection to it would only time out.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    _own_setup_store.append(store)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(store.port)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     is_module = bool(argv) and argv[0] in ("-m", "--module")
@@ -115,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
         _preload(target, is_module)
         _become_rank(rt.wait_for_assignment())
         comms.set_local_mode_default(True)
+        if rt.store_address.etcd:
+            _host_own_setup_store()
     error_handler = ErrorHandler()
     error_handler.initialize()
     code = 0

@@ -1,6 +1,7 @@
 """End to end on an etcd store: ``torchpass launch --store etcd://...`` runs the control plane on a real 3-member
-etcd cluster; a SIGKILLed rank and an operator's planned migration end bitwise identical to the fault-free run
-(on node 0's TCPStore), the job's keys are gone from etcd at its end, and misuse is refused by name."""
+etcd cluster; a SIGKILLed rank and an operator's planned migration (on a cluster with authentication on) end
+bitwise identical to the fault-free run (on node 0's TCPStore), the job's keys are gone from etcd at its end, and
+misuse is refused by name."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torchpass.core import cli, launcher
 from torchpass.core.etcd_store import EtcdStore, job_url, parse_etcd_url
 from torchpass.core.inject import request_migration
 
-from tests.support.etcd import ETCD, EtcdCluster
+from tests.support.etcd import ETCD, EtcdCluster, auth_cluster
 from tests.support.harness import JOBS, assert_migrated, fault_free, fault_rng, launch
 
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(ETCD is None, reason="etcd is not installed here (.ci/run installs etcd-server)")]
@@ -56,9 +57,20 @@ def test_sigkill_on_an_etcd_control_plane(tmp_path: Path, cluster: EtcdCluster, 
     assert _job_keys(cluster, job) == 0  # node 0 deleted the job's keys at its end
 
 
-def test_an_operators_planned_migration_goes_through_etcd(tmp_path: Path, cluster: EtcdCluster, reference: dict) -> None:
+def test_an_operators_planned_migration_goes_through_etcd_with_authentication(tmp_path: Path, reference: dict) -> None:
+    """On a cluster that authenticates its users, the job's launchers, workers and the operator's tool log in as the
+    URL's user with the password in its file."""
     job = f"e2e-{uuid.uuid4().hex[:8]}"
-    run = launch(tmp_path, JOB, ARGS, extra=["--store", cluster.url, "--rdzv-id", job])
+    (tmp_path / "etcd").mkdir()
+    cluster = auth_cluster(tmp_path / "etcd")
+    try:
+        _planned_migration(tmp_path / "job", cluster.user_url(tmp_path / "etcd" / "password"), job, reference)
+    finally:
+        cluster.stop()
+
+
+def _planned_migration(tmp_path: Path, url: str, job: str, reference: dict) -> None:
+    run = launch(tmp_path, JOB, ARGS, extra=["--store", url, "--rdzv-id", job])
     run.wait_step(1, 5)
     pids = run.active_pids()
     request_migration(run.run_dir, 1)  # reads the store's URL from workers.json, like `torchpass migrate`

@@ -24,7 +24,7 @@ from torchpass.core.etcd_store import EtcdStore, job_url, parse_etcd_url
 from torchpass.core.free_port import free_port
 from torchpass.core.rendezvous_store import InterruptibleStore
 
-from tests.support.etcd import ETCD, EtcdCluster
+from tests.support.etcd import ETCD, USER, EtcdCluster, auth_cluster
 
 TIMEOUT = timedelta(seconds=20)
 Factory = Callable[[], dist.Store]
@@ -39,7 +39,17 @@ def etcd_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdClust
     cluster.stop()
 
 
-@pytest.fixture(params=["tcp", "etcd"])
+@pytest.fixture(scope="module")
+def etcd_auth_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdCluster]:
+    """A cluster with authentication on (its folder holds the user's password file)."""
+    if ETCD is None:
+        pytest.skip("etcd is not installed here (.ci/run installs Debian's etcd-server)")
+    cluster = auth_cluster(tmp_path_factory.mktemp("etcd-auth"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(params=["tcp", "etcd", "etcd-auth"])
 def clients(request: pytest.FixtureRequest) -> Iterator[Factory]:
     """A function making a new client of one store (one per thread: TCPStore clients are not thread-safe)."""
     if request.param == "tcp":
@@ -48,8 +58,12 @@ def clients(request: pytest.FixtureRequest) -> Iterator[Factory]:
         yield lambda: dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False, timeout=TIMEOUT)
         del server
     else:
-        cluster = request.getfixturevalue("etcd_cluster")
-        url = job_url(cluster.url, uuid.uuid4().hex)
+        if request.param == "etcd":
+            url = request.getfixturevalue("etcd_cluster").url
+        else:
+            cluster = request.getfixturevalue("etcd_auth_cluster")
+            url = cluster.user_url(cluster.folder / "password")
+        url = job_url(url, uuid.uuid4().hex)
         yield lambda: EtcdStore(parse_etcd_url(url), TIMEOUT)
 
 
@@ -105,6 +119,16 @@ def test_multi_get_and_multi_set(clients: Factory) -> None:
     assert s.multi_get(["m3", "m1", "m2"]) == [b"3", b"1", b"2"]
 
 
+def test_requests_of_many_keys(clients: Factory) -> None:
+    """More keys than one etcd transaction may hold (its default --max-txn-ops is 128): a job's statuses."""
+    s = clients()
+    keys = [f"many/{i}" for i in range(3 * 128 + 7)]
+    s.multi_set(keys, [str(i).encode() for i in range(len(keys))])
+    assert s.check(keys) and s.multi_get(keys) == [str(i).encode() for i in range(len(keys))]
+    s.wait(keys, timedelta(seconds=5))
+    assert not s.check([*keys, "many/missing"])
+
+
 def test_the_control_plane_reads_and_writes_records_through_it_sealed(clients: Factory) -> None:
     secret = b"s" * 32
     s = signed(clients(), secret, TIMEOUT)
@@ -157,8 +181,43 @@ def test_etcd_urls_carry_endpoints_prefix_and_tls_and_name_what_is_wrong() -> No
         ("http://a:2379", "expected etcd://HOST:PORT"),
         ("etcd://a", "endpoint 'a' is not HOST:PORT"),
         ("etcd://", "no endpoint given"),
-        ("etcds://a:1?user=x", r"unknown option\(s\) \['user'\]; valid: \['cacert', 'cert', 'key'\]"),
+        ("etcds://a:1?user=x", r"unknown option\(s\) \['user'\]; valid: \['cacert', 'cert', 'key', 'password-file'\]"),
         ("etcd://a:1?cacert=/ca.pem", "TLS options need etcds://"),
+        ("etcd://bob:hunter2@a:1", "a password in the URL would show in `ps`"),
+        ("etcd://bob@a:1", "a user .* and \\?password-file=FILE go together"),
+        ("etcd://a:1?password-file=/pw", "a user .* and \\?password-file=FILE go together"),
     ]:
         with pytest.raises(ValueError, match=message):
             parse_etcd_url(url)
+    user = parse_etcd_url(job_url("etcd://bob@a:1,b:2/jobs?password-file=/pw", "run7"))
+    assert (user.endpoints, user.prefix, user.user, user.password_file) == ((("a", 1), ("b", 2)), "/jobs/run7", "bob", "/pw")
+
+
+def test_etcd_with_authentication_refuses_a_wrong_password_by_user_and_keeps_other_prefixes_out(
+    etcd_auth_cluster: EtcdCluster, tmp_path: Path
+) -> None:
+    cluster = etcd_auth_cluster
+    wrong = tmp_path / "wrong"
+    wrong.write_text("not it")
+    with pytest.raises(dist.DistStoreError, match=f"user '{USER}' could not log in"):
+        EtcdStore(parse_etcd_url(cluster.user_url(wrong)), TIMEOUT).set("k", b"v")
+    with pytest.raises(dist.DistStoreError, match=f"cannot read the password of user '{USER}'"):
+        EtcdStore(parse_etcd_url(cluster.user_url(tmp_path / "missing")), TIMEOUT)
+    with pytest.raises(dist.DistStoreError, match="permission denied"):
+        EtcdStore(parse_etcd_url(cluster.user_url(cluster.folder / "password", "/elsewhere")), TIMEOUT).set("k", b"v")
+    with pytest.raises(dist.DistStoreError, match="user name is empty"):
+        EtcdStore(parse_etcd_url(cluster.url), TIMEOUT).set("k", b"v")  # no user at all
+
+
+def test_etcd_with_authentication_logs_in_again_on_the_member_it_moves_to(tmp_path: Path) -> None:
+    if ETCD is None:
+        pytest.skip("etcd is not installed here")
+    cluster = auth_cluster(tmp_path)
+    try:
+        store = EtcdStore(parse_etcd_url(cluster.user_url(tmp_path / "password", "/torchpass/failover")), TIMEOUT)
+        store.set("before", b"1")
+        cluster.kill(0)  # simple tokens live on the member that issued them: the next one must give its own
+        store.set("after", b"2")
+        assert store.get("before") == b"1" and store.add("n", 5) == 5 and store.get("after") == b"2"
+    finally:
+        cluster.stop()

@@ -46,6 +46,8 @@ class JobRun:
     secret_file: Path | None = None
     """The secret every node was given (multi-node jobs); a single-node job generated its own."""
     started: float = field(default_factory=time.time)
+    lost_nodes: set[int] = field(default_factory=set)
+    """Nodes whose launcher the test killed with its host: ``wait`` answers with the first other launcher's code."""
 
     def store(self) -> Any:
         """A client of the job's store, holding the job's secret as an operator's command does."""
@@ -65,7 +67,7 @@ class JobRun:
     def wait_step(self, rank: int, step: int, timeout: float = 120.0) -> None:
         deadline = time.time() + timeout
         while self.step_of(rank) < step:
-            if any(p.poll() is not None for p in self.procs):
+            if any(p.poll() is not None for i, p in enumerate(self.procs) if i not in self.lost_nodes):
                 raise AssertionError(f"job ended before rank {rank} reached step {step}:\n{self.output()[-3000:]}")
             if time.time() > deadline:
                 raise AssertionError(f"rank {rank} did not reach step {step} in {timeout} s:\n{self.output()[-3000:]}")
@@ -121,7 +123,7 @@ class JobRun:
             except subprocess.TimeoutExpired:
                 self.kill()
                 raise AssertionError(f"job did not finish in {timeout} s:\n{self.explain()}") from None
-        return self.procs[0].returncode
+        return next(p.returncode for i, p in enumerate(self.procs) if i not in self.lost_nodes)
 
     def kill(self) -> None:
         for p in self.procs:
