@@ -23,10 +23,11 @@ cluster the job's state outlives any launcher, so the controller can move:
    the next campaign wins and the new controller continues from the state the
    old one wrote (``Keys.controller_state``, see ``Controller.snapshot``).
 
-Invariants: at most one launcher's controller writes commit in any interval
-(etcd's linearizable transactions and the monotonic create revision); a
-controller never resumes from a state older than the one its predecessor
-acted on last, because it writes that state before an action is taken on it.
+Invariants: once a launcher holds the key, no write of an earlier holder
+commits (etcd's linearizable transactions and the monotonic create
+revision); a successor starts from the state its predecessor wrote at the end
+of its last complete tick, so it repeats at most that predecessor's last tick
+(see ``core/controller.py`` for why that repetition is harmless).
 
 Requires of the training loop: nothing; workers never talk to the controller
 directly, only through the store.

@@ -17,6 +17,7 @@ How each store operation maps onto etcd, and why it is safe under concurrency:
 * ``add``: a read, then a transaction that writes ``value + amount`` only if
   the key's ``mod_revision`` is still the one read (``create_revision == 0``
   for a key that did not exist), retried until it commits: no lost update;
+  ``add(key, 0)``, a counter's read, is the read alone;
 * ``compare_set``: one transaction comparing the value (or that the key does
   not exist, for an empty ``expected``), with c10d's answer: the value after
   the operation, or ``expected`` for a missing key that was not created;
@@ -333,6 +334,10 @@ class EtcdStore(dist.Store):
         while True:
             result = self._call(lambda c: c.post(c.get_url("/kv/range"), json={"key": self._key(key)}))
             kvs = result.get("kvs", [])
+            if amount == 0:
+                # A read of a counter (a mailbox's length, every tick of every reader): nothing to write. c10d
+                # creates a missing key as 0; a reader that is told 0 behaves the same without it.
+                return int(base64.b64decode(kvs[0].get("value", "")) or b"0") if kvs else 0
             if kvs:
                 current = int(base64.b64decode(kvs[0].get("value", "")) or b"0")
                 guard = {"key": self._key(key), "result": "EQUAL", "target": "MOD", "mod_revision": kvs[0]["mod_revision"]}

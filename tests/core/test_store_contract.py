@@ -102,7 +102,7 @@ def test_add_is_atomic_under_concurrent_clients(clients: Factory) -> None:
         t.start()
     for t in threads:
         t.join(60)
-    assert stores[0].add("n", 0) == 100
+    assert stores[0].add("n", 0) == 100 and stores[0].add("never-added", 0) == 0
 
 
 def test_compare_set_gives_c10d_answers(clients: Factory) -> None:
