@@ -83,10 +83,6 @@ class TelemetryConfig:
     """Print one human-readable line per migration phase on the launcher's console. On by
     default because a migration is an operator-visible event; turn off for quiet CI logs."""
 
-    step_times: bool = False
-    """Record every step's wall time in the ledger (one line per step). Off by default: it
-    is only needed for overhead studies and would grow the ledger with the run length."""
-
     final_digest: bool = False
     """Each rank writes a digest of its whole final state (every state class, its RNG streams,
     data position and buffers) to ``<run_dir>/final/rank<r>.json`` as it finishes, so two

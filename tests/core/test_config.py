@@ -34,7 +34,7 @@ def test_defaults_validate():
 
 
 def test_to_dict_round_trips_through_config_from_mapping():
-    config = config_from_mapping({"spares_per_node": 2, "telemetry": {"step_times": True}})
+    config = config_from_mapping({"spares_per_node": 2, "telemetry": {"final_digest": True}})
     assert config_from_mapping(config.to_dict()) == config
 
 
@@ -58,7 +58,7 @@ def test_preset_values_and_overrides():
     assert fast.heartbeat_timeout_s == 3.0
     assert fast.spares_per_node == 3
     assert fast.telemetry.console is False
-    assert fast.telemetry.step_times is False  # the nested default survives a partial override
+    assert fast.telemetry.final_digest is False  # the nested default survives a partial override
 
 
 def test_preset_by_path(tmp_path):
@@ -111,13 +111,13 @@ def test_nested_unknown_key_is_named_with_its_path():
     message = error_for({"telemetry": {"consle": False}})
     assert "unknown key telemetry.consle" in message
     assert "did you mean 'console'" in message
-    assert "console" in message and "step_times" in message
+    assert "console" in message and "final_digest" in message
 
 
 def test_nested_values_are_applied():
-    config = config_from_mapping({"telemetry": {"console": False, "step_times": True}})
+    config = config_from_mapping({"telemetry": {"console": False, "final_digest": True}})
     assert config.telemetry.console is False
-    assert config.telemetry.step_times is True
+    assert config.telemetry.final_digest is True
 
 
 def test_nested_section_must_be_a_mapping():
@@ -139,7 +139,7 @@ def test_nested_section_must_be_a_mapping():
         ({"verify_replicas": "yes"}, "verify_replicas: got 'yes' (str); expected a boolean"),
         ({"hang_timeout_s": False}, "hang_timeout_s: got False (bool); expected a number"),
         ({"run_dir": 3}, "run_dir: got 3 (int); expected a string"),
-        ({"telemetry": {"step_times": "yes"}}, "telemetry.step_times: got 'yes' (str); expected a boolean"),
+        ({"telemetry": {"final_digest": "yes"}}, "telemetry.final_digest: got 'yes' (str); expected a boolean"),
     ],
 )
 def test_wrong_type_names_field_value_and_expected_type(data, fragment):
