@@ -432,6 +432,7 @@ def _launch(args: argparse.Namespace) -> int:
     last_config_check = 0.0
     last_sample = 0.0
     last_campaign = time.time()
+    last_end_check = 0.0
     timeline = Timeline(run_dir)
     while True:
         if controller is not None and lease is not None and not lease.held:
@@ -459,10 +460,14 @@ def _launch(args: argparse.Namespace) -> int:
         else:
             try:
                 agent.tick()
-                if store.check([Keys.shutdown]):
-                    break
+                # The job's end, at the agent's beat pace (a read per tick per node would load the store for nothing).
+                if time.time() - last_end_check >= agent.config.heartbeat_interval_s / 2:
+                    last_end_check = time.time()
+                    if store.check([Keys.shutdown]):
+                        break
                 if lease is not None and time.time() - last_campaign >= _CAMPAIGN_INTERVAL_S:
                     last_campaign = time.time()
+    last_end_check = 0.0
                     controller = _take_over(lease, store, secret, join_timeout, run_dir, say, nnodes, f"{host}:{port}", store_etcd)
                     if controller is not None and metrics is None:
                         metrics = _metrics_after_take_over(controller, say)
