@@ -467,7 +467,6 @@ def _launch(args: argparse.Namespace) -> int:
                         break
                 if lease is not None and time.time() - last_campaign >= _CAMPAIGN_INTERVAL_S:
                     last_campaign = time.time()
-    last_end_check = 0.0
                     controller = _take_over(lease, store, secret, join_timeout, run_dir, say, nnodes, f"{host}:{port}", store_etcd)
                     if controller is not None and metrics is None:
                         metrics = _metrics_after_take_over(controller, say)
