@@ -30,7 +30,7 @@ class _LiveView:
     def __init__(self, run_dir: str | Path, secret_file: str | None):
         self.run_dir, self.secret_file = run_dir, secret_file
         self._store: Any = None
-        self._address = ""
+        self._address: tuple[str, str | None] = ("", None)
 
     def heartbeats(self, data: dict[str, Any]) -> dict[str, Any]:
         import torch.distributed as dist  # torch is only needed for the live view
@@ -41,15 +41,23 @@ class _LiveView:
         address = data.get("store") or ""
         if not address:
             return {}
-        if self._store is None or address != self._address:
-            host, port = address.rsplit(":", 1)
+        where = (address, data.get("store_etcd"))  # on etcd, the heartbeats are there, not in node 0's set-up store
+        if self._store is None or where != self._address:
             try:
-                base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2.0), wait_for_workers=False)
+                if where[1] is not None:
+                    from .etcd_store import EtcdStore, parse_etcd_url
+
+                    base: Any = EtcdStore(parse_etcd_url(where[1]), timedelta(seconds=2.0))
+                    if not base.check([Keys.job]):
+                        return {}  # the job is over (its keys went with it)
+                else:
+                    host, port = address.rsplit(":", 1)
+                    base = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2.0), wait_for_workers=False)
             except (RuntimeError, OSError):
                 return {}  # the job is over; workers.json alone tells the final picture
             # A live job: its records are only readable with its secret (SecretError names the ways to give it).
             self._store = signed(base, for_operator(self.run_dir, self.secret_file), timedelta(seconds=2.0))
-            self._address = address
+            self._address = where
         beats = {}
         try:
             for row in data["workers"]:

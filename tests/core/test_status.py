@@ -17,6 +17,9 @@ from torchpass.core.control import Heartbeat, Keys, put, signed
 from torchpass.core.job_secret import SECRET_ENV, SecretError
 from torchpass.core.status import CLEAR, format_status, watch_status
 
+from torchpass.core.etcd_store import EtcdStore, job_url, parse_etcd_url
+
+from tests.support.etcd import ETCD, EtcdCluster
 from tests.support.secret import SECRET
 
 
@@ -59,6 +62,34 @@ def test_a_finished_job_needs_no_secret(tmp_path):
         port = s.getsockname()[1]  # nothing listens there any more
     _workers_json(tmp_path / "run", f"127.0.0.1:{port}")
     assert "store unreachable: showing the last recorded state" in format_status(tmp_path / "run")
+
+
+def test_a_job_on_etcd_shows_the_heartbeats_kept_there_and_its_end(tmp_path, monkeypatch):
+    """With the control plane on etcd, node 0's set-up store (gone with node 0 after a take-over) holds no heartbeat."""
+    if ETCD is None:
+        pytest.skip("etcd is not installed here (.ci/run installs etcd-server)")
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    cluster = EtcdCluster(tmp_path / "etcd", members=1)
+    (tmp_path / "etcd").mkdir()
+    cluster.start()
+    try:
+        url = job_url(cluster.url, "status")
+        store = signed(EtcdStore(parse_etcd_url(url)), SECRET, timedelta(seconds=5))
+        put(store, Keys.job, {"world_size": 1})
+        put(store, Keys.heartbeat("n0-a0"), Heartbeat(0.0, 7, 0, "train", 3))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # node 0's set-up store: nothing listens there
+        _workers_json(tmp_path / "run", f"127.0.0.1:{port}")
+        data = json.loads((tmp_path / "run" / "workers.json").read_text())
+        (tmp_path / "run" / "workers.json").write_text(json.dumps({**data, "store_etcd": url}))
+        (tmp_path / "job.secret").write_bytes(SECRET)
+        out = format_status(tmp_path / "run", str(tmp_path / "job.secret"))
+        assert "n0-a0" in out and "train" in out and "      7 " in out
+        EtcdStore(parse_etcd_url(url)).delete_prefix()  # the job ended: its keys went with it
+        assert "store unreachable: showing the last recorded state" in format_status(tmp_path / "run")
+    finally:
+        cluster.stop()
 
 
 def test_watch_redraws_the_live_view_with_the_migration_phase_until_the_job_ends(live):
