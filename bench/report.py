@@ -153,7 +153,6 @@ def _setup(results: dict[str, Any], framework: str) -> tuple[str, str, str]:
 def markdown(results: dict[str, Any], plot: str, control_plane_table: str) -> str:
     """The benchmark page."""
     cfg = results["config"]
-    w = cfg["workload"]
     framework = cfg.get("framework", "ddp")
     title, workload, strategies = _setup(results, framework)
     lines = [
