@@ -194,6 +194,7 @@ class Controller:
         self._layout_raw: dict[str, Any] | None = None
         self._dirty_nodes: set[int] = set()
         """Nodes one of whose process records changed since the last ``_persist_state``."""
+        self._launch_members: list[str] = []
         self._record_nodes: set[int] = set()
         """Nodes whose records a successor reads (``Keys.controller_records``)."""
         self._persist = store_etcd is not None
@@ -262,7 +263,11 @@ class Controller:
         }
 
     def _launch_member(self, rank: int) -> str:
-        return worker_id(rank // self.spec.nproc_per_node, False, rank % self.spec.nproc_per_node)
+        """The process the launch gave ``rank`` (computed once: the snapshot compares every member with it each tick)."""
+        if not self._launch_members:
+            n = self.spec.nproc_per_node
+            self._launch_members = [worker_id(r // n, False, r % n) for r in range(self.spec.world_size)]
+        return self._launch_members[rank]
 
     def _restore(self, state: dict[str, Any]) -> None:
         world = self.spec.world_size
