@@ -90,6 +90,16 @@ class TelemetryConfig:
     state capture and a pass over its bytes at exit."""
 
 
+LAUNCHER_SETTINGS = {
+    "spares_per_node": "torchpass launch --spares-per-node N",
+    "run_dir": "torchpass launch --run-dir DIR",
+    "telemetry.console": "torchpass launch --set telemetry.console=false",
+    "controller_lease_s": "torchpass launch --set controller_lease_s=N",
+}
+"""Settings ``torchpass launch`` reads before any worker reads a framework's config, and where to set them
+instead: a framework's config block (DeepSpeed's, TorchTitan's) that names one is refused with this."""
+
+
 SIGNAL_MODES = ("auto", "required", "disabled")
 """Words, not on/off: YAML reads an unquoted ``on`` or ``off`` as a boolean."""
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from torchpass.core.config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge
+from torchpass.core.config import LAUNCHER_SETTINGS, ConfigError, TorchPassConfig, config_from_mapping, deep_merge
 
 __all__ = ["BLOCK", "LAUNCHER_SETTINGS", "block_of", "resolve_block"]
 
@@ -36,12 +36,6 @@ BLOCK = "torchpass"
 SOURCE = 'DeepSpeed config block "torchpass"'
 """How errors name the block."""
 
-LAUNCHER_SETTINGS = {
-    "spares_per_node": "torchpass launch --spares-per-node N",
-    "run_dir": "torchpass launch --run-dir DIR",
-    "telemetry.console": "torchpass launch --set telemetry.console=false",
-}
-"""Block keys the launcher reads before the DeepSpeed config exists, and where to set them instead."""
 
 
 def block_of(ds_config: Mapping[str, Any]) -> Mapping[str, Any] | None:

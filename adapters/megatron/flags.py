@@ -12,7 +12,7 @@ field of :class:`~torchpass.core.config.TorchPassConfig`, spelled
     --torchpass-chaos-kill-rank 1           chaos.kill_rank = 1
 
 Fields that only ``torchpass launch`` can act on (``spares_per_node``,
-``run_dir``, ``signals``, ``metrics``) have no flag: the launcher reads them before the script starts.
+``run_dir``, ``signals``, ``metrics``, ``controller_lease_s``) have no flag: the launcher reads them before the script starts.
 
 Errors name the flag: a bad value fails while argparse parses it (the rule
 the config schema attaches to the field), and a misspelled ``--torchpass-*`` flag fails with the closest valid spelling,
@@ -40,7 +40,7 @@ from torchpass.core.config import ConfigError, TorchPassConfig, config_from_mapp
 __all__ = ["ConfigFlag", "add_torchpass_args", "config_flags", "config_from_args", "warn_without_launcher"]
 
 SWITCH = "--torchpass"
-_LAUNCHER_ONLY = frozenset({"enabled", "spares_per_node", "run_dir", "signals", "metrics"})
+_LAUNCHER_ONLY = frozenset({"enabled", "spares_per_node", "run_dir", "signals", "metrics", "controller_lease_s"})
 """Fields with no flag: ``enabled`` is ``--torchpass`` itself; the others are read by the launcher."""
 
 _TRUE = ("true", "1", "yes", "on")

@@ -45,7 +45,7 @@ Settings ``torchpass launch`` consumes before any worker reads the job config
 import dataclasses
 from typing import Any, Optional, get_type_hints
 
-from torchpass.core.config import ConfigError, TorchPassConfig, config_from_mapping, deep_merge, unknown_key_error
+from torchpass.core.config import LAUNCHER_SETTINGS, ConfigError, TorchPassConfig, config_from_mapping, deep_merge, unknown_key_error
 
 __all__ = ["ENABLE", "JobConfig", "LAUNCHER_SETTINGS", "TorchPass", "check_table", "resolve_config", "section_settings"]
 
@@ -54,12 +54,6 @@ ENABLE = "enable"
 
 _CORE_SWITCH = "enabled"
 
-LAUNCHER_SETTINGS = {
-    "spares_per_node": "torchpass launch --spares-per-node N",
-    "run_dir": "torchpass launch --run-dir DIR",
-    "telemetry.console": "torchpass launch --set telemetry.console=false",
-}
-"""Section keys the launcher reads before the job config exists, and where to set them instead."""
 
 
 def _section_class(schema: type, name: str) -> type:

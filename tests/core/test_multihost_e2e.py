@@ -21,6 +21,7 @@ from typing import Iterator
 
 import pytest
 
+from torchpass.core.etcd_store import EtcdStore, job_url, parse_etcd_url
 from torchpass.core.ledger import read_ledger
 
 from tests.support.etcd import ETCD, EtcdCluster
@@ -158,9 +159,9 @@ def test_on_etcd_the_controllers_host_lost_is_migrated_by_a_launcher_that_takes_
     tmp_path: Path, hosts_and_etcd: tuple[Hosts, EtcdCluster], reference: dict
 ) -> None:
     hosts, etcd = hosts_and_etcd
+    job = f"ha-{uuid.uuid4().hex[:8]}"
     extra = [
-        *EXTRA, "--store", etcd.url, "--rdzv-id", f"ha-{uuid.uuid4().hex[:8]}", "--set", "controller_lease_s=2",
-        "--set", f"metrics.port={METRICS_PORT}",
+        *EXTRA, "--store", etcd.url, "--rdzv-id", job, "--set", "controller_lease_s=2", "--set", f"metrics.port={METRICS_PORT}",
     ]  # fmt: skip
     run = launch(tmp_path / "job", JOB, ARGS, hosts=hosts, extra=extra, **SHAPE)
     run.wait_step(4, 5)
@@ -181,6 +182,7 @@ def test_on_etcd_the_controllers_host_lost_is_migrated_by_a_launcher_that_takes_
     assert len([e for e in ledger if "outcome" in e]) == 1, "one incident, one ledger entry"
     takeovers = [e for e in ledger if e.get("type") == "controller_takeover"]
     assert len(takeovers) == 1 and takeovers[0]["detail"]["node"] in (1, 2), takeovers
+    assert EtcdStore(parse_etcd_url(job_url(etcd.url, job))).num_keys() == 0, "the last controller deletes the job's keys"
     print(f"[controller-failover] migration timings {last['timings']}")
 
 

@@ -29,11 +29,14 @@ def test_every_config_field_has_a_flag_named_after_it() -> None:
     flags = {f.flag: f.field for f in config_flags()}
     assert flags["--torchpass-buddy-interval-steps"] == "buddy_interval_steps"
     assert flags["--torchpass-chaos-kill-rank"] == "chaos.kill_rank"
-    assert flags["--torchpass-telemetry-step-times"] == "telemetry.step_times"
-    top = {f.name for f in dataclasses.fields(TorchPassConfig)} - {"enabled", "spares_per_node", "run_dir", "signals", "metrics", "telemetry", "chaos"}
+    assert flags["--torchpass-telemetry-final-digest"] == "telemetry.final_digest"
+    top = {f.name for f in dataclasses.fields(TorchPassConfig)} - {
+        "enabled", "spares_per_node", "run_dir", "signals", "metrics", "telemetry", "chaos", "controller_lease_s"
+    }
     assert top <= set(flags.values())
     # Read by the launcher before the script starts: a script flag could not act on them.
     assert "--torchpass-spares-per-node" not in flags and "--torchpass-run-dir" not in flags
+    assert "--torchpass-controller-lease-s" not in flags
     assert not any(flag.startswith("--torchpass-signals") for flag in flags)
 
 

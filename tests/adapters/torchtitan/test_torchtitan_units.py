@@ -116,7 +116,7 @@ def test_the_entry_point_declares_the_section_unless_the_job_names_its_own_modul
 @pytest.mark.parametrize(
     ("table", "message"),
     [
-        ("enabled = true", "unknown key enabled (did you mean 'enable'?); valid keys: buddy_interval_steps, chaos, comm_failures_per_step, enable,"),
+        ("enabled = true", "unknown key enabled (did you mean 'enable'?); valid keys: buddy_interval_steps, chaos, comm_failures_per_step, controller_lease_s, enable,"),
         ("buddy_interval_step = 2", "unknown key buddy_interval_step (did you mean 'buddy_interval_steps'?)"),
         ("[torchpass.chaos]\nkill_rnk = 1", "unknown key chaos.kill_rnk (did you mean 'kill_rank'?); valid keys: action, kill_point, kill_rank, kill_step"),
     ],
