@@ -168,8 +168,10 @@ class MegatronLMState(MegatronState):
             # set-up broadcasts are answered locally, and its own flags are False off data ranks.
             for name, value in components[_DATA_FLAGS].items():
                 setattr(self.args, name, value)
-        if "progress" in components:
-            # What load_checkpoint sets in setup_model_and_optimizer.
+        if "progress" in components and joining:
+            # What load_checkpoint sets in setup_model_and_optimizer, for the spare's train() to start from.
+            # A survivor's args stay as its train() counted them: it sees each iteration once, and an
+            # iteration the migration runs again below it (a rollback) is one train() counted already.
             args, progress = self.args, self.progress
             args.iteration = progress.iteration
             args.consumed_train_samples = progress.consumed_train_samples
