@@ -200,7 +200,7 @@ class MetricsConfig:
     another host; the figures carry no secret, but keep the port to the monitoring network."""
 
 
-CHAOS_POINTS = ("attach", "step_start", "last_forward", "backward", "commit", "after_commit")
+CHAOS_POINTS = ("attach", "step_start", "last_forward", "backward", "commit", "after_commit", "step_end")
 CHAOS_ACTIONS = ("kill", "stall", "term")
 
 
@@ -230,8 +230,9 @@ class ChaosConfig:
     """``attach`` (start-up: the rank reported its layout, its peers wait for its buddy address; ``kill_step``
     is then the first step), ``step_start``, ``last_forward`` (the forward of the step's last micro-batch
     began; adapters that see each forward call: DeepSpeed's unchanged loops), ``backward`` (the backward pass
-    began), ``commit`` (inside the optimizer step, before it changes anything) or ``after_commit`` (the
-    optimizer step finished, the step did not)."""
+    began), ``commit`` (inside the optimizer step, before it changes anything), ``after_commit`` (the
+    optimizer step finished, the step did not) or ``step_end`` (the step returned to the training loop,
+    its buddy copy not yet sent: the others fail in the loop's own code between steps)."""
 
 
 @dataclass

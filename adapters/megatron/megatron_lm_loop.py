@@ -442,9 +442,12 @@ class MegatronLMLoop:
         return result
 
     def _resume_between(self, first: int) -> None:
-        """After a migration between iterations: the next iteration follows, or the last one runs again first."""
-        assert self.state is not None
-        completed = self.state.progress.iteration
+        """After a migration between iterations: the next iteration follows, or the last one runs again first.
+
+        Compared with the iteration train() completed, not with the loaded state's: a rollback
+        loads the state of the iteration before it, which train() has counted past already.
+        """
+        completed = self._train_at
         if first == completed:
             self._redo = first
         elif first != completed + 1:

@@ -138,3 +138,20 @@ def test_rank_lost_right_after_its_optimizer_step(
     last = assert_migrated(run, references[layout]["ranks"], pids, {1}, "kill", max_steps_lost=1)
     assert _logged_losses(run.workdir) == references[layout]["losses"]
     assert last["steps_lost"] == steps_lost, last
+
+
+def test_rank_lost_between_iterations_before_its_buddy_copy_left(
+    tmp_path: Path, references: RunOnce[str, dict[str, Any]], megatron_lm_env: dict[str, str]
+) -> None:
+    """Rank 1 dies once iteration 4 returned to train(), before its buddy copy of 4 left: the others have
+    counted iteration 4 and fail in training_log's barrier (--log-interval 1), between iterations. Every rank
+    goes back to iteration 3; the survivors run 4 again below train(), which counted it already, then 5."""
+    layout = "dp4-distopt"
+    chaos = ["--torchpass-chaos-kill-rank", "1", "--torchpass-chaos-kill-step", "4", "--torchpass-chaos-kill-point", "step_end"]
+    run = launch(tmp_path, SCRIPT, [*MEGATRON_LM_ARGS, *LAYOUTS[layout], "--test-step-sleep", "0.2", "--torchpass", *chaos], env=megatron_lm_env)
+    pids = run.wait_active_pids(4)
+    last = assert_migrated(run, references[layout]["ranks"], pids, {1}, "kill", max_steps_lost=1)
+    assert _logged_losses(run.workdir) == references[layout]["losses"]
+    assert last["steps_lost"] == 1, last
+    survivor_logs = "".join(f.read_text() for f in (run.run_dir / "logs").glob("*.err"))
+    assert "training_log was cut short by a migration" in survivor_logs

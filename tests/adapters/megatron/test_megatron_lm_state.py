@@ -15,6 +15,7 @@ import pytest
 import torch
 from megatron.core import num_microbatches_calculator as microbatches
 
+from torchpass.adapters.megatron.layout import DEFAULT_ORDER
 from torchpass.adapters.megatron.megatron_lm_loop import MegatronLMState
 from torchpass.adapters.megatron.state import Progress
 
@@ -47,7 +48,7 @@ def _state(args: SimpleNamespace) -> MegatronLMState:
         optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
         scheduler=None,
         progress=Progress(args.iteration, args.consumed_train_samples),
-        order="tp-cp-ep-dp-pp",
+        order=DEFAULT_ORDER,
     )
 
 
