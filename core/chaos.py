@@ -22,6 +22,12 @@ from .config import ChaosConfig
 
 __all__ = ["ChaosTrigger", "chaos_trigger", "TERM_HOLD_S"]
 
+POINTS_REPORTED_BY_SOME = (
+    "last_forward: only DeepSpeed's unchanged loops, which see each forward call; commit and after_commit: "
+    "only steps whose optimizer step runs"
+)
+"""Which points some training loops never reach, for the error that names a point that never came."""
+
 TERM_HOLD_S = 60.0
 """``term``: the longest a rank is held at the point waiting for its drain to end the generation."""
 
@@ -51,6 +57,21 @@ class ChaosTrigger:
             os.kill(os.getpid(), signal.SIGKILL)
         while True:  # stall: heartbeats go on, the step never finishes
             time.sleep(3600)
+
+    def check_fired(self, step: int) -> None:
+        """At the end of ``step``: raise if it was the configured step and its point never came.
+
+        A point the training loop does not report (``last_forward`` outside DeepSpeed's
+        unchanged loops, ``commit`` in a step whose update was skipped) would otherwise
+        leave a fault test passing with no fault injected.
+        """
+        c = self._config
+        if self._fired or c.kill_step != step:
+            return
+        raise RuntimeError(
+            f"torchpass: chaos.kill_point {c.kill_point!r} never came in step {step} on rank {self._rank}, so no "
+            f"fault was injected: this training loop does not report that point ({POINTS_REPORTED_BY_SOME})"
+        )
 
 
 def chaos_trigger(config: ChaosConfig, rank: int | None, role: str, ending: threading.Event) -> ChaosTrigger | None:

@@ -232,7 +232,9 @@ class ChaosConfig:
     began; adapters that see each forward call: DeepSpeed's unchanged loops), ``backward`` (the backward pass
     began), ``commit`` (inside the optimizer step, before it changes anything), ``after_commit`` (the
     optimizer step finished, the step did not) or ``step_end`` (the step returned to the training loop,
-    its buddy copy not yet sent: the others fail in the loop's own code between steps)."""
+    its buddy copy not yet sent: the others fail in the loop's own code between steps). A point that never
+    came by the end of ``kill_step`` (one the training loop does not report) fails the rank, naming it,
+    rather than leave a fault test passing with no fault injected."""
 
 
 @dataclass

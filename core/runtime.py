@@ -373,6 +373,7 @@ class Runtime:
         self.in_step = False
         if self._chaos is not None:
             self._chaos.fire("step_end", step)
+            self._chaos.check_fired(step)
         if self.buddy is not None and self.version % self.config.buddy_interval_steps == 0:
             # At the step boundary, not at the optimizer step: the scheduler step and
             # anything else the step updates after the commit belong to this version.
