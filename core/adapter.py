@@ -57,8 +57,12 @@ class ResumingProvider(StateProvider, Protocol):
     ``resume()`` runs on every member, survivors and joined spares alike, after
     the groups are rebuilt and the members have met at a barrier, before the
     step is re-executed. Collectives are allowed and must be the same on every
-    rank (e.g. re-gathering parameters a ZeRO optimizer derives from its
-    partitions).
+    rank. A provider whose layout declares derived state classes
+    (:attr:`~torchpass.core.topology.StateClass.derived`) must recompute them
+    here, from the rest of the state it loaded or kept (e.g. re-gathering the
+    parameters a ZeRO optimizer derives from its partitions): the protocol
+    never moved them, so until then they may be stale, partly updated, or a
+    spare's initial values.
     """
 
     def resume(self) -> None:

@@ -6,7 +6,8 @@ back. Every ``buddy_interval_steps`` committed steps each rank therefore keeps
 
 * a *snapshot*: a copy of its whole state at that version, double-buffered in
   its own memory (so survivors can roll back to a version a lost rank's copy
-  exists at), and
+  exists at), derived classes left out (the framework recomputes them from the
+  rest, see :attr:`~torchpass.core.topology.StateClass.derived`), and
 * on its *buddy* (a rank on the next node, see ``topology.assign_buddies``), a
   copy of the part nobody else has (the sharded classes and its small state),
   double-buffered there too.

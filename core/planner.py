@@ -16,6 +16,9 @@ Rules:
   held by another rank (a draining rank is always its own best source). Without
   snapshots a survivor cannot go back, so in replica mode T is the newest clean
   version or nothing; with buddy copies it is at most one interval back.
+* Derived state classes (:attr:`~torchpass.core.topology.StateClass.derived`)
+  are never fetched: the framework recomputes them from the rest on every
+  member once the new generation is live.
 * Small per-rank state (RNG streams, data position) at T comes from the rank
   itself, its snapshot, its mirror record for T, its buddy copy, or a replica
   whose small state is known to be identical (equal mirror digests).
@@ -199,7 +202,8 @@ def _plan_at(index: _Index, version: int) -> dict[int, RankPlan] | str:
     A rank absent from the result keeps its live state and its own small state.
     """
     inp = index.inp
-    classes = sorted(inp.layout.state_classes)
+    # Derived classes are recomputed by the framework once the generation is live: nobody fetches them.
+    classes = inp.layout.copied_classes()
     plans: dict[int, RankPlan] = {}
     for rank in range(inp.layout.world_size):
         st = index.usable(rank)

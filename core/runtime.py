@@ -321,10 +321,15 @@ class Runtime:
         # spare's join must release this rank's waits too.
         self.monitor.start()
         layout = provider.layout()
+        if layout.derived_classes() and not hasattr(provider, "resume"):
+            raise TypeError(
+                f"torchpass: the layout of {type(provider).__name__} declares derived state classes "
+                f"{layout.derived_classes()}, which only a provider with resume() can recompute after a migration"
+            )
         sharded = set(layout.sharded_classes())
         mode = self.config.redundancy
         if mode == "buddy" or (mode == "auto" and sharded):
-            push = set(layout.state_classes) if mode == "buddy" else sharded
+            push = set(layout.copied_classes()) if mode == "buddy" else sharded - set(layout.derived_classes())
             self.buddy = BuddyKeeper(
                 rank=self.rank,
                 classes_to_push=push | {SMALL_CLASS},
@@ -343,7 +348,9 @@ class Runtime:
                 flush=True,
             )
         self._routing = BuddyRouting(self.store, self.rank, self.world_size)
-        self.copier = StateCopier(self.rank, provider, data, self.config, self.store, self.buddy, lambda: self._pool, self.secret)
+        self.copier = StateCopier(
+            self.rank, provider, data, self.config, self.store, self.buddy, lambda: self._pool, self.secret, frozenset(layout.derived_classes())
+        )
 
     # ---- per-step hooks -------------------------------------------------
     def step_begin(self, step: int) -> None:
@@ -471,7 +478,7 @@ class Runtime:
             # The migration that follows snapshots and pushes again once its generation is live.
             print(f"[torchpass] rank {self.rank}: no buddy copy this generation: {exc}", file=sys.stderr, flush=True)
             return
-        self.buddy.start(self.copier.capture(self.version, device_tensors="live"), target)
+        self.buddy.start(self.copier.capture(self.version, device_tensors="live", derived=False), target)
 
     def _holder(self) -> BuddyKeeper:
         if self.buddy is None:

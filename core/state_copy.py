@@ -66,6 +66,7 @@ class StateCopier:
         buddy: BuddyKeeper | None,
         pool: Callable[[], ReceivePool | None],
         secret: bytes,
+        derived: frozenset[str] = frozenset(),
     ):
         self.rank = rank
         self.provider = provider
@@ -75,6 +76,8 @@ class StateCopier:
         self._buddy = buddy
         self._pool = pool
         self._secret = secret
+        self.derived = derived
+        """State classes the provider recomputes after a migration: left out of snapshots and receive buffers."""
 
     # ---- small state ---------------------------------------------------------
     def small_state(self, rng: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -91,12 +94,17 @@ class StateCopier:
             self.provider.load_small_state(rng["provider"])  # type: ignore[attr-defined]
 
     # ---- capture ---------------------------------------------------------------
-    def capture(self, version: int, *, device_tensors: str = "stage") -> Captured:
+    def capture(self, version: int, *, device_tensors: str = "stage", derived: bool = True) -> Captured:
         """Every component and the small state, by reference, at ``version``.
 
         ``device_tensors``: what CUDA tensors become (:func:`~torchpass.core.manifest.capture`): pinned
-        copies, empty pinned receive buffers (``"buffers"``), or themselves for a buddy snapshot (``"live"``)."""
+        copies, empty pinned receive buffers (``"buffers"``), or themselves for a buddy snapshot (``"live"``).
+        ``derived=False`` leaves out the components of derived classes (what a snapshot keeps and a
+        fetch receives); what a rank publishes and fingerprints keeps them."""
         components, classes = self.provider.state_components()
+        if not derived and self.derived:
+            components = {name: value for name, value in components.items() if classes[name] not in self.derived}
+            classes = {name: cls for name, cls in classes.items() if cls not in self.derived}
         components = {**components, SMALL_KEY: self.small_state()}
         classes = {**classes, SMALL_KEY: SMALL_CLASS}
         return capture(components, classes, version, meta={"classes": classes}, device_tensors=device_tensors)
@@ -165,7 +173,7 @@ class StateCopier:
                 timeout=self.config.rebuild_timeout_s,
                 verify_replicas=self.config.verify_replicas,
                 state_classes=classes,
-                into=self.capture(target, device_tensors="buffers"),
+                into=self.capture(target, device_tensors="buffers", derived=False),
                 pool=self._pool(),
                 secret=self._secret,
             )
@@ -183,7 +191,7 @@ class StateCopier:
             raise TransferError(f"rank {self.rank} has no snapshot of step {target} any more")
         # Copy out of the snapshot: loading it directly would make live optimizer
         # state alias snapshot buffers that later snapshots overwrite.
-        mine = self.capture(target, device_tensors="buffers")
+        mine = self.capture(target, device_tensors="buffers", derived=False)
         own = {e.name: t for e, t in zip(mine.manifest.entries, mine.tensors)}
         tensors = []
         for entry, saved in zip(snap.manifest.entries, snap.tensors):

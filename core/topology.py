@@ -121,6 +121,12 @@ class StateClass:
 
     grid: str
     identical_along: tuple[str, ...] = ()
+    derived: bool = False
+    """The framework recomputes this class from the others after a migration (the provider's
+    ``resume()``, collectives allowed), so the protocol never snapshots, pushes or fetches it.
+    ZeRO 1/2's low-precision parameters are the example: every rank's share is its fp32 master
+    partition cast down, and DeepSpeed all-gathers the shares after each step. False by default:
+    a class is state unless its framework guarantees it is a function of the rest."""
 
 
 @dataclass(frozen=True)
@@ -168,6 +174,14 @@ class Layout:
             ) from None
         return self.grid(cls.grid).group(rank, cls.identical_along)
 
+    def copied_classes(self) -> list[str]:
+        """State classes the protocol snapshots and moves: all but the derived ones."""
+        return sorted(name for name, cls in self.state_classes.items() if not cls.derived)
+
+    def derived_classes(self) -> list[str]:
+        """State classes the framework recomputes after a migration (:attr:`StateClass.derived`)."""
+        return sorted(name for name, cls in self.state_classes.items() if cls.derived)
+
     def sharded_classes(self) -> list[str]:
         """State classes that parallelism gives no redundancy (replica set of one)."""
         return sorted(name for name in self.state_classes if len(self.replica_set(0, name)) == 1)
@@ -186,7 +200,7 @@ class Layout:
         for g in self.grids:
             parts.append(f"{g.name}[" + " x ".join(f"{d.name}={d.size}" for d in g.dims) + "]")
         classes = ", ".join(
-            f"{n}: identical along {'/'.join(c.identical_along) or 'nothing (sharded)'}"
+            f"{n}: identical along {'/'.join(c.identical_along) or 'nothing (sharded)'}{' (derived)' if c.derived else ''}"
             for n, c in sorted(self.state_classes.items())
         )
         return f"{self.framework} {' '.join(parts)}; {classes}"
@@ -240,7 +254,9 @@ def layout_to_dict(layout: Layout) -> dict[str, Any]:
     return {
         "framework": layout.framework,
         "grids": [{"name": g.name, "dims": [[d.name, d.size] for d in g.dims]} for g in layout.grids],
-        "state_classes": {n: {"grid": c.grid, "identical_along": list(c.identical_along)} for n, c in layout.state_classes.items()},
+        "state_classes": {
+            n: {"grid": c.grid, "identical_along": list(c.identical_along), "derived": c.derived} for n, c in layout.state_classes.items()
+        },
     }
 
 
@@ -248,7 +264,7 @@ def layout_from_dict(data: Mapping[str, Any]) -> Layout:
     return Layout(
         data["framework"],
         tuple(_grid(g["name"], [(n, s) for n, s in g["dims"]]) for g in data["grids"]),
-        {n: StateClass(c["grid"], tuple(c["identical_along"])) for n, c in data["state_classes"].items()},
+        {n: StateClass(c["grid"], tuple(c["identical_along"]), bool(c["derived"])) for n, c in data["state_classes"].items()},
     )
 
 
@@ -279,8 +295,11 @@ def deepspeed_layout(
     """DeepSpeed's ``PipeModelDataParallelTopology`` grid (axes pipe, data, model; model fastest).
 
     ZeRO 0 replicates everything along ``data``; ZeRO 1/2 shard the optimizer
-    partitions (fp32 master weights and moments) along it; ZeRO 3 shards the
-    parameters too. MiCS splits ``data`` into replicate groups of
+    partitions (fp32 master weights and moments) along it, and their
+    low-precision parameters are *derived*: each rank's share is its master
+    partition cast down, all-gathered after every step (DeepSpeed's
+    ``update_lp_params`` redoes exactly that after a migration); ZeRO 3 shards
+    the parameters too. MiCS splits ``data`` into replicate groups of
     ``mics_shard_size`` consecutive data ranks: shards are identical across
     groups. Expert parameters are replicated only across expert-data-parallel
     ranks (data ranks equal modulo ``expert_parallel``).
@@ -302,8 +321,9 @@ def deepspeed_layout(
         all_data = ("data",)
     dims.append(("model", model))
     grids = [_grid("main", dims)]
+    derived = zero_stage in (1, 2)
     classes = {
-        "params": StateClass("main", all_data if zero_stage < 3 else shard_copies),
+        "params": StateClass("main", all_data if zero_stage < 3 else shard_copies, derived),
         "optimizer": StateClass("main", all_data if zero_stage == 0 else shard_copies),
     }
     if expert_parallel > 1:
@@ -313,7 +333,7 @@ def deepspeed_layout(
                 [("pipe", pipe), ("expert_data", data // expert_parallel), ("expert", expert_parallel), ("model", model)],
             )
         )
-        classes["expert_params"] = StateClass("expert", ("expert_data",) if zero_stage < 3 else ())
+        classes["expert_params"] = StateClass("expert", ("expert_data",) if zero_stage < 3 else (), derived)
     return Layout("deepspeed", tuple(grids), _with_global(grids[0], classes))
 
 

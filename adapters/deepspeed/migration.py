@@ -37,7 +37,10 @@ same collectives when the step is executed again.
 
 Invariants: the engine's persistent state changes only between commit started
 and commit finished; the counters and the scheduler at the step start are the
-state of version ``step - 1``; no method here issues a collective.
+state of version ``step - 1``; no method here issues a collective but
+:meth:`EngineMigration.resume`, which the core runs on every member once the
+new generation's groups are live (ZeRO 1/2 re-gather their derived
+low-precision parameters there).
 
 Requires of the training loop: every optimizer step runs inside a torchpass
 step (``steps()`` for a user-owned loop, ``train_batch`` for the pipeline),
@@ -196,7 +199,9 @@ class EngineMigration:
         align_for_reexecution(self.engine)
 
     def resume(self) -> None:
-        """Let the loop owner settle work the interrupted generation left half done (collectives allowed)."""
+        """Recompute the derived parameters, then let the loop owner settle work the interrupted generation
+        left half done (collectives allowed, on every member alike)."""
+        self.state.rederive()
         if self.loop_state is not None:
             self.loop_state.resume()
 

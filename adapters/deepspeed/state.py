@@ -5,7 +5,9 @@ receives them in place) and the small objects next to them:
 
 * ``params`` (state class ``params``): ZeRO 0 the module parameters; ZeRO 1/2
   ``bit16_groups_flat``, the flat low-precision buffers holding every rank's
-  partition (module parameters are views into them); ZeRO 3 this rank's
+  partition (module parameters are views into them), a *derived* class: never
+  snapshotted or moved, recomputed after a migration from the fp32 master
+  partitions (:meth:`EngineState.rederive`); ZeRO 3 this rank's
   ``fp16_partitioned_groups_flat`` (every ``ds_tensor`` is a view into them);
 * ``optimizer`` (state class ``optimizer``): the inner torch optimizer's
   per-parameter state (moments, step), plus the fp32 master partitions at ZeRO
@@ -84,6 +86,12 @@ class EngineState(ABC):
     @abstractmethod
     def _load_params(self, params: Mapping[str, Any]) -> None:
         """Copy a received ``params`` component into the live tensors."""
+
+    def rederive(self) -> None:
+        """Recompute the components the layout declares derived, from the rest (a collective where there are any).
+
+        Runs on every member once a migration's generation is live. Stages without derived state do nothing.
+        """
 
     @abstractmethod
     def _master_and_keys(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -188,6 +196,12 @@ class _Zero12State(EngineState):
     def _master_and_keys(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         masters = list(self.optimizer.single_partition_of_fp32_groups)
         return masters, masters
+
+    def rederive(self) -> None:
+        # The low-precision flats are derived (core.topology.deepspeed_layout): DeepSpeed's own
+        # post-step update, each rank's fp32 partition cast into its share, then the all-gather
+        # over each group's data-parallel group, gives back the bits its step wrote.
+        self.optimizer.update_lp_params()
 
 
 class _Zero3State(EngineState):

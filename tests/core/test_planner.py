@@ -184,7 +184,7 @@ def test_draining_rank_is_its_own_source_and_retires():
     assert plan.joins["3"] == "n1-s0"  # a planned move stays on the rank's node when it can
     for cls in plan.rank_plan(3).fetch:
         assert source_ranks(plan, 3, cls) == [3]
-    assert sorted(plan.rank_plan(3).fetch) == sorted(layout.state_classes)
+    assert sorted(plan.rank_plan(3).fetch) == layout.copied_classes() == ["global", "optimizer"]  # params: derived
     assert small_source_rank(plan.rank_plan(3).small_from) == 3
     assert "3" in plan.addresses  # the draining rank serves its state until it retires
 
@@ -294,6 +294,24 @@ def test_sharded_state_without_a_replica_is_disqualifying():
     assert "rank 1" in result.message
     assert "'optimizer'" in result.message
     assert "[1]" in result.message  # the replica set: the rank alone
+
+
+def test_derived_classes_are_never_fetched_even_when_every_survivor_rolls_back():
+    """ZeRO-1: a fault inside the commit's all-gather leaves every survivor dirty and the lost rank's buddy
+    copy one step back. Each survivor rolls back from its own snapshot and the spare reads the buddy copy,
+    for the optimizer and global classes only: the parameters are re-gathered once the generation is live."""
+    layout = deepspeed_layout(data=4, zero_stage=1)
+    assert layout.derived_classes() == ["params"]
+    inp = plan_input(layout, versions={0: 6, 1: 6, 3: 6}, lost={2}, dirty={0, 1, 3})
+    for r, st in inp.statuses.items():
+        st.snapshots = [4, 5]
+    inp.statuses[3].holds = {"2": [4, 5]}
+    plan = planned(inp)
+    assert plan.target_version == 5
+    for r in (0, 1, 3):
+        assert plan.rank_plan(r).fetch == {"global": [[r, "snapshot"]], "optimizer": [[r, "snapshot"]]}
+    assert sorted(plan.rank_plan(2).fetch) == ["global", "optimizer"]
+    assert source_ranks(plan, 2, "optimizer") == [3]
 
 
 def test_replicated_classes_of_a_sharded_layout_still_need_every_class():

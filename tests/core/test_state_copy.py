@@ -92,3 +92,17 @@ def test_a_rank_without_snapshots_says_so():
     plan = Plan(generation=1, target_version=5, joins={}, ranks={"0": RankPlan(fetch={"params": [[0, "snapshot"]]})}, addresses={}, cause="t")
     with pytest.raises(TransferError, match="keeps no snapshots"):
         copier(TinyProvider(seed=0), 0).apply(plan, Timings(), joining=False)
+
+
+def test_derived_classes_stay_out_of_snapshots_but_not_out_of_what_a_rank_publishes():
+    """A derived class is recomputed by the framework: a snapshot (and a fetch's receive buffers) leave it
+    out, so the buddy work copies only what is moved; a published capture and a fingerprint keep it."""
+    provider = TinyProvider(seed=0)
+    c = StateCopier(0, provider, None, TorchPassConfig(), dist.HashStore(), None, lambda: None, SECRET, frozenset({"params"}))
+    whole = c.capture(5)
+    kept = c.capture(5, derived=False)
+    assert {e.state_class for e in whole.manifest.entries} >= {"params", "optimizer"}
+    assert "params" not in {e.state_class for e in kept.manifest.entries}
+    assert kept.manifest.meta["classes"] == {"optimizer": "optimizer", "__small__": "small"}
+    params_bytes = sum(p.numel() * p.element_size() for p in provider.model.parameters())
+    assert whole.manifest.nbytes - kept.manifest.nbytes == params_bytes

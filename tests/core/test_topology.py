@@ -135,8 +135,18 @@ def test_sharded_classes_and_describe():
     layout = deepspeed_layout(data=4, zero_stage=1)
     assert layout.sharded_classes() == ["optimizer"]
     assert "optimizer: identical along nothing (sharded)" in layout.describe()
-    assert "params: identical along data" in layout.describe()
+    assert "params: identical along data (derived)" in layout.describe()
     assert ddp_layout(3).sharded_classes() == []
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_1_and_2_parameters_are_derived(stage):
+    """ZeRO 1/2 re-gather their low-precision parameters from the master partitions: the protocol never moves them."""
+    layout = deepspeed_layout(data=4, expert_parallel=2, zero_stage=stage)
+    derived = ["expert_params", "params"] if stage in (1, 2) else []
+    assert layout.derived_classes() == derived
+    assert layout.copied_classes() == sorted(set(layout.state_classes) - set(derived))
+    assert ddp_layout(4).derived_classes() == []
     assert ddp_layout(1).sharded_classes() == ["global", "optimizer", "params"]
 
 
@@ -153,10 +163,11 @@ def test_locate_omits_size_one_dimensions_and_prefixes_secondary_grids():
     [
         ddp_layout(4),
         deepspeed_layout(pipe=2, data=4, model=2, zero_stage=3, mics_shard_size=2, expert_parallel=2),
+        deepspeed_layout(data=4, zero_stage=2),
         megatron_layout(tp=2, cp=2, ep=2, dp=2, pp=2, distributed_optimizer=True, num_distributed_optimizer_instances=2),
         torchtitan_layout(pp=2, dp_replicate=2, dp_shard=2, tp=2),
     ],
-    ids=["ddp", "deepspeed", "megatron", "torchtitan"],
+    ids=["ddp", "deepspeed", "deepspeed-zero2", "megatron", "torchtitan"],
 )
 def test_layout_dict_round_trip(layout):
     data = layout_to_dict(layout)

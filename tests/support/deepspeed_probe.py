@@ -6,6 +6,9 @@ For each ZeRO stage 0-3 (the reference job's model and config, GA 2):
 * ``restore``: train 2 steps, capture the adapter's components (cloned), train
   step 3 and digest; then build a second engine from another seed, load the
   clone into it, train step 3: the digests must be equal;
+* ``rederived``: the same with only the classes a migration moves loaded
+  (ZeRO 1/2 leave out their derived ``params``) and ``resume()`` called, which
+  re-gathers them;
 * ``discard``: load the clone again, start step 3 and abort it after its first
   micro-batch (forward, backward, step), let the adapter discard the step,
   execute step 3 again: equal to the uninterrupted step 3;
@@ -33,6 +36,7 @@ import torch.distributed as dist
 from tests.support.deepspeed_job import Regression, dataset, ds_config, final_digest
 import torchpass.adapters.deepspeed as torchpass_deepspeed
 from torchpass.adapters.deepspeed.config import block_of
+from torchpass.adapters.deepspeed.layout import engine_layout
 from torchpass.adapters.deepspeed.migration import EngineMigration
 from torchpass.adapters.deepspeed.support import UnsupportedEngine, check_supported
 from torchpass.core.config import ConfigError
@@ -119,6 +123,15 @@ def check_stage(stage: int) -> dict[str, Any]:
     train_step(fresh, fresh_migration, 3)
     restore = final_digest(fresh) == expected
 
+    # What a migration moves: the copied classes only; resume() recomputes the derived ones.
+    copied = set(engine_layout(fresh).copied_classes())
+    classes = migration.state_components()[1]
+    derived_engine, derived_migration, _ = build(stage, seed=7)
+    derived_migration.load_components({k: v for k, v in clone(saved).items() if classes[k] in copied}, joining=True)
+    derived_migration.resume()
+    train_step(derived_engine, derived_migration, 3)
+    rederived = final_digest(derived_engine) == expected
+
     migration.load_components(clone(saved), joining=False)
     try:
         train_step(engine, migration, 3, abort_after=1)
@@ -126,7 +139,7 @@ def check_stage(stage: int) -> dict[str, Any]:
         migration.discard_step()
     train_step(engine, migration, 3)
     discard = final_digest(engine) == expected
-    return {"restore": restore, "discard": discard, "calls": calls}
+    return {"restore": restore, "rederived": rederived, "moved": sorted(copied), "discard": discard, "calls": calls}
 
 
 def main() -> None:

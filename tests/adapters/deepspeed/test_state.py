@@ -34,6 +34,14 @@ def test_state_loaded_into_a_fresh_engine_continues_bitwise(probe: dict, stage: 
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_only_what_a_migration_moves_loaded_and_resumed_continues_bitwise(probe: dict, stage: int) -> None:
+    """ZeRO 1/2 move no parameters: resume() re-gathers them from the fp32 master partitions, bit for bit."""
+    moved = ["engine", "optimizer"] if stage in (1, 2) else ["engine", "optimizer", "params"]
+    assert probe[f"zero{stage}"]["moved"] == sorted({"engine": "global", "optimizer": "optimizer", "params": "params"}[c] for c in moved)
+    assert probe[f"zero{stage}"]["rederived"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_an_interrupted_step_discarded_and_executed_again_is_bitwise_equal(probe: dict, stage: int) -> None:
     assert probe[f"zero{stage}"]["discard"]
 
