@@ -42,11 +42,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import socket
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -59,7 +61,7 @@ from torchpass.core.buddy_routing import BuddyRouting
 from torchpass.core.config import TorchPassConfig
 from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Ready, Report, Status, signed
 from torchpass.core.controller import Controller, JobSpec
-from torchpass.core.rendezvous_store import InterruptibleStore
+from torchpass.core.rendezvous_store import RANK_AS_SEQUENCE_ENV, InterruptibleStore, worker_environment
 from torchpass.core.rng import capture_rng
 from torchpass.core.signed_store import SignedStore
 from torchpass.core.topology import ddp_layout, layout_to_dict
@@ -210,11 +212,13 @@ class _Holdings:
         del sources
 
 
-def gloo_record_bytes(size: int) -> int:
+def gloo_record_bytes(size: int, env: Mapping[str, str]) -> int:
     """Bytes of the address record a rank of a ``size``-rank gloo group writes (gloo's tcp ``Rank``): the host name
     and the device's socket address (``sockaddr_storage`` and a sequence number), each after its length, then one
-    8-byte pair identifier per rank of the group."""
-    return 8 + len(socket.gethostname()) + 8 + 136 + 8 * size
+    8-byte pair identifier per rank of the group, unless ``env`` has gloo use ranks as sequence numbers (a worker
+    of ``torchpass launch`` does: ``rendezvous_store.worker_environment``)."""
+    per_rank = 0 if env.get(RANK_AS_SEQUENCE_ENV) in ("1", "True") else 8
+    return 8 + len(socket.gethostname()) + 8 + 136 + per_rank * size
 
 
 def rendezvous_store(store: SignedStore, generation: int) -> dist.Store:
@@ -237,7 +241,7 @@ def measure_rendezvous(
     every rank's record in rank order (its own included). The first
     ``RENDEZVOUS_SAMPLE`` records are read and the cost is scaled to the group.
     """
-    record = bytes(gloo_record_bytes(size))
+    record = bytes(gloo_record_bytes(size, {**os.environ, **worker_environment(os.environ)}))
     peers = min(size, RENDEZVOUS_SAMPLE)
     others = rendezvous_store(writer, generation)
     for r in range(peers):
@@ -334,7 +338,6 @@ def measure(size: int, port: int) -> dict[str, Any]:
         routing_ops, routing_s = measure_routing(member, member_counting, size, 1, failed)
         job.report(1, "done", lambda r: json.dumps({"t_done": time.time(), "bytes": 1 << 20}).encode())
         close = _drive(controller, counting, lambda: controller.migration is None)
-    del workers, server, member
     phases = {"detect": detect, "plan": plan, "go": go, "close": close}
     # What the members wait for: the controller's time until it writes ``end``, the plan and ``go``. The
     # rest of those ticks (workers.json) and closing the ledger entry overlap their work.

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
-from . import nccl_transport
+from . import nccl_transport, rendezvous_store
 from .config import TorchPassConfig, config_from_mapping
 from .control import Heartbeat, Keys, Mailbox, Report, StoreAddress, put, try_get, worker_id
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error, is_device_failure
@@ -164,6 +164,7 @@ class Agent:
         if "OMP_NUM_THREADS" not in os.environ and s.nproc_per_node > 1:
             env["OMP_NUM_THREADS"] = "1"
         env.update(nccl_transport.worker_environment(os.environ))
+        env.update(rendezvous_store.worker_environment(os.environ))
         return env
 
     def spawn(self, wid: str, role: str, rank: int | None, local_rank: int) -> None:

@@ -15,11 +15,29 @@ and the member reports again.
 Waiting costs nothing on the normal path: a slice is a server-side wait that
 returns as soon as the key is written. Only a stuck rendezvous pays, with one
 c10d warning line per slice.
+
+Gloo reads every peer's address record as a wait followed by a get (through
+c10d's trampoline it cannot batch them with ``multi_get``), so a group of N
+costs each member O(N) store requests. Two things keep that cost down:
+
+* A key a wait saw present is read directly, without probing it again: keys
+  under a generation's prefix are written once and never removed while it is
+  built.
+* Each record is O(1) bytes, not O(N): by default gloo's record carries one
+  8-byte pair identifier per rank of the group (so each member reads O(N^2)
+  bytes, 2 GB at 16,384 ranks), and with ``GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER``
+  it carries none, a peer's rank identifying its connection instead.
+  :func:`worker_environment` turns that on for every worker and spare. It is
+  sound because ranks are unique within a gloo context and every
+  ``ProcessGroupGloo`` (torchpass's rebuilt transports and groups torch builds
+  alike) listens on a device of its own, and it must be the same on every
+  member of a group, which one launcher's environment gives.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Callable
 
@@ -27,7 +45,16 @@ import torch.distributed as dist
 
 from .failures import ABANDONED_MARKER
 
-__all__ = ["InterruptibleStore", "WAIT_SLICE_S"]
+__all__ = ["InterruptibleStore", "RANK_AS_SEQUENCE_ENV", "WAIT_SLICE_S", "worker_environment"]
+
+RANK_AS_SEQUENCE_ENV = "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"
+"""gloo's switch for address records without per-pair identifiers (read by gloo at every rendezvous)."""
+
+
+def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
+    """What a worker's environment needs for O(1)-byte gloo address records: added only where unset."""
+    return {} if RANK_AS_SEQUENCE_ENV in env else {RANK_AS_SEQUENCE_ENV: "1"}
+
 
 WAIT_SLICE_S = 0.5
 """How long one slice of a rendezvous wait lasts: the delay between a generation's release and the wait's end."""
@@ -42,6 +69,8 @@ class InterruptibleStore(dist.Store):
         self._released = released
         self._what = what
         self._timeout = timeout
+        self._present: set[str] = set()
+        """Keys a wait saw present: a get of one reads it without probing again."""
 
     def _await(self, keys: list[str], timeout: timedelta | None) -> None:
         limit = (timeout or self._timeout).total_seconds()
@@ -62,11 +91,13 @@ class InterruptibleStore(dist.Store):
         self._base.set(key, value)
 
     def get(self, key: str) -> bytes:
-        self._await([key], None)
+        if key not in self._present:
+            self._await([key], None)
         return self._base.get(key)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
         self._await(keys, timeout)
+        self._present.update(keys)
 
     def check(self, keys: list[str]) -> bool:
         return self._base.check(keys)

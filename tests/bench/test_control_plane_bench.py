@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from bench.control_plane import gloo_record_bytes, markdown, measure, rendezvous_key
 from torchpass.core.free_port import free_port
+from torchpass.core.rendezvous_store import RANK_AS_SEQUENCE_ENV
 
 
 
@@ -52,9 +55,11 @@ class _Recording(dist.Store):
         return self._base.check(keys)
 
 
-def test_the_simulated_rendezvous_is_the_one_gloo_does() -> None:
+@pytest.mark.parametrize("rank_as_sequence", ["0", "1"])
+def test_the_simulated_rendezvous_is_the_one_gloo_does(rank_as_sequence: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the bench replays for a member (write its record, then wait for and read every record in rank order,
-    at gloo's record size) is what ``ProcessGroupGloo`` asks of its store."""
+    at gloo's record size) is what ``ProcessGroupGloo`` asks of its store, with or without the workers' environment."""
+    monkeypatch.setenv(RANK_AS_SEQUENCE_ENV, rank_as_sequence)
     size = 3
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False)
     stores = [_Recording(dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))) for _ in range(size)]
@@ -63,6 +68,6 @@ def test_the_simulated_rendezvous_is_the_one_gloo_does() -> None:
         t.start()
     for t in threads:
         t.join()
-    record = gloo_record_bytes(size)
+    record = gloo_record_bytes(size, os.environ)
     reads = [step for r in range(size) for step in (("wait", rendezvous_key(r), 0), ("get", rendezvous_key(r), record))]
     assert stores[1].log == [("set", rendezvous_key(1), record), *reads]
