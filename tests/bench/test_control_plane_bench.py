@@ -14,6 +14,7 @@ from bench.control_plane import gloo_record_bytes, markdown, measure, rendezvous
 from torchpass.core.free_port import free_port
 from torchpass.core.rendezvous_store import RANK_AS_SEQUENCE_ENV
 
+from tests.support.recording_store import RecordingStore
 
 
 def test_one_migration_at_64_ranks() -> None:
@@ -30,31 +31,6 @@ def test_one_migration_at_64_ranks() -> None:
     assert "| 64 |" in markdown([row])
 
 
-class _Recording(dist.Store):
-    """A store that logs what it is asked, in order: (operation, key, value bytes)."""
-
-    def __init__(self, base: dist.Store) -> None:
-        super().__init__()
-        self._base = base
-        self.log: list[tuple[str, str, int]] = []
-
-    def set(self, key: str, value: bytes) -> None:
-        self.log.append(("set", key, len(value)))
-        self._base.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        value = self._base.get(key)
-        self.log.append(("get", key, len(value)))
-        return value
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.log += [("wait", key, 0) for key in keys]
-        self._base.wait(keys, timeout or timedelta(seconds=30))
-
-    def check(self, keys: list[str]) -> bool:
-        return self._base.check(keys)
-
-
 @pytest.mark.parametrize("rank_as_sequence", ["0", "1"])
 def test_the_simulated_rendezvous_is_the_one_gloo_does(rank_as_sequence: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """What the bench replays for a member (write its record, then wait for and read every record in rank order,
@@ -62,7 +38,7 @@ def test_the_simulated_rendezvous_is_the_one_gloo_does(rank_as_sequence: str, mo
     monkeypatch.setenv(RANK_AS_SEQUENCE_ENV, rank_as_sequence)
     size = 3
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    stores = [_Recording(dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))) for _ in range(size)]
+    stores = [RecordingStore(dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=timedelta(seconds=30))) for _ in range(size)]
     threads = [threading.Thread(target=ProcessGroupGloo, args=(stores[r], r, size, timedelta(seconds=30))) for r in range(size)]
     for t in threads:
         t.start()

@@ -15,6 +15,7 @@ from torchpass.core.failures import ABANDONED_MARKER, is_comm_error
 from torchpass.core.rendezvous_store import InterruptibleStore, worker_environment
 
 from tests.support.harness import free_port
+from tests.support.recording_store import RecordingStore
 
 
 @pytest.fixture
@@ -65,77 +66,44 @@ def test_a_wait_past_its_deadline_is_a_store_timeout(port: int) -> None:
         store.wait(["never"])
 
 
-class _Counting(dist.Store):
-    """A store that counts the requests it passes on."""
-
-    def __init__(self, base: dist.Store):
-        super().__init__()
-        self.base = base
-        self.ops: list[str] = []
-
-    def set(self, key: str, value: bytes | str) -> None:
-        self.ops.append("set")
-        self.base.set(key, value)
-
-    def get(self, key: str) -> bytes:
-        self.ops.append("get")
-        return self.base.get(key)
-
-    def check(self, keys: list[str]) -> bool:
-        self.ops.append("check")
-        return self.base.check(keys)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self.ops.append("wait")
-        self.base.wait(keys, timeout or timedelta(seconds=10))
-
-
 def test_a_key_a_wait_saw_is_read_without_probing_it_again(port: int) -> None:
     """gloo's wait-then-get per peer record: one probe and one read, not two probes."""
-    counting = _Counting(_client(port, "g4/"))
-    store = InterruptibleStore(counting, lambda: False, "building group 'x' of generation 4", timedelta(seconds=5))
-    counting.base.set("0", b"address")
+    recording = RecordingStore(_client(port, "g4/"))
+    store = InterruptibleStore(recording, lambda: False, "building group 'x' of generation 4", timedelta(seconds=5))
+    recording.set("0", b"address")
+    recording.set("1", b"address")
+    recording.log.clear()
     store.wait(["0"])
     assert store.get("0") == b"address"
-    assert counting.ops == ["check", "get"]
-    counting.ops.clear()
+    assert [op for op, _, _ in recording.log] == ["check", "get"]
+    recording.log.clear()
     # A key no wait saw is probed first, so a get of a missing key stays interruptible.
-    counting.base.set("1", b"address")
     assert store.get("1") == b"address"
-    assert counting.ops == ["check", "get"]
+    assert [op for op, _, _ in recording.log] == ["check", "get"]
     with pytest.raises(dist.DistStoreError, match="waited 1 s"):
-        InterruptibleStore(counting, lambda: False, "x", timedelta(seconds=1)).get("never")
+        InterruptibleStore(recording, lambda: False, "x", timedelta(seconds=1)).get("never")
 
 
 def _record_bytes(port: int, prefix: str, size: int) -> int:
     """Bytes of the address record rank 0 writes when a ``size``-rank gloo group is built (ranks as threads)."""
-    counting = [_Counting(_client(port, prefix)) for _ in range(size)]
-    written: list[int] = []
-    base_set = counting[0].set
-
-    def record(key: str, value: bytes | str) -> None:
-        written.append(len(value))
-        base_set(key, value)
-
-    counting[0].set = record  # type: ignore[method-assign]
+    stores = [RecordingStore(_client(port, prefix)) for _ in range(size)]
 
     def rank(r: int) -> None:
-        store = InterruptibleStore(counting[r], lambda: False, f"building group {prefix!r}", timedelta(seconds=60))
-        group = ProcessGroupGloo(store, r, size, timedelta(seconds=60))
-        group.allreduce([torch.ones(1)]).wait()
+        store = InterruptibleStore(stores[r], lambda: False, f"building group {prefix!r}", timedelta(seconds=60))
+        ProcessGroupGloo(store, r, size, timedelta(seconds=60)).allreduce([torch.ones(1)]).wait()
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(size)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    (nbytes,) = written
+    (nbytes,) = [n for op, _, n in stores[0].log if op == "set"]
     return nbytes
 
 
 def test_with_the_workers_environment_a_gloo_address_record_does_not_grow_with_the_group(port: int, monkeypatch) -> None:
     """gloo's default record has an 8-byte pair identifier per rank; the launcher's environment removes them."""
-    (name, value), = worker_environment({}).items()
+    ((name, value),) = worker_environment({}).items()
     assert worker_environment({name: "0"}) == {}, "a value the user set is kept"
     monkeypatch.delenv(name, raising=False)
     assert _record_bytes(port, "d2/", 2) + 8 == _record_bytes(port, "d3/", 3)
