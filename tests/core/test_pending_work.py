@@ -8,12 +8,16 @@ collective's message is in transfer, which gloo never signals.
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
 import textwrap
 import threading
+import weakref
 from datetime import timedelta
+from functools import partial
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -60,6 +64,39 @@ def test_a_collective_completes_with_gloos_result(gloo):
     work.wait()
     assert t.tolist() == [1.5, -2.0]
     assert work.get_future().value()[0] is t
+
+
+def _allreduce_of_a_fresh_tensor(pending: PendingWork, gloo: ProcessGroupGloo) -> tuple[Any, Callable[[], bool]]:
+    """A collective on a tensor only its gloo work holds, and whether that tensor's memory was freed since."""
+    t = torch.ones(1024)
+    ref = weakref.ref(t.untyped_storage())
+    return pending.run(partial(gloo.allreduce, [t])), lambda: gc.collect() >= 0 and ref() is None
+
+
+def test_a_waited_collective_keeps_no_tensor_alive(gloo):
+    """A collective's buffers are the caller's once it waited: holding the gloo work made every step
+    allocate (and fault in) fresh memory; DeepSpeed's flat buffers are freed right after the wait."""
+    pending = PendingWork("unit")
+    work, freed = _allreduce_of_a_fresh_tensor(pending, gloo)
+    work.wait()
+    del work
+    assert freed(), "the transport kept a waited collective's tensor alive"
+
+
+def test_a_collective_nobody_waited_for_is_dropped_by_the_next_once_complete(gloo):
+    """A work consumed through its future (DDP's reducer) is let go at the next collective once complete,
+    while one still in flight is kept: ``quiet`` must see it until gloo is done with it."""
+    pending = PendingWork("unit")
+    work, freed = _allreduce_of_a_fresh_tensor(pending, gloo)
+    work.get_future().wait()
+    del work
+    inner = _PeerNeverAnswers()
+    pending.run(lambda: inner)
+    assert freed(), "a completed collective was kept after the next one was issued"
+    pending.abandon("generation 2 ended")
+    assert not pending.quiet(), "a collective still in flight must keep the transport from being destroyed"
+    inner.fut.set_result([])
+    assert pending.quiet()
 
 
 def test_an_operation_without_a_gloo_future_completes_through_the_waiter(gloo):
