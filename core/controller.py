@@ -587,6 +587,12 @@ class Controller:
                 del self.spares[w]
                 self.lost_wids.add(w)
                 self._set_role(w, "lost")
+            # Spares the migration in progress already gave a rank have left the pool: they go with the node
+            # too, so that the plan counting on one is voided at the next tick (see _joining) instead of
+            # waiting out rebuild_timeout_s for a process that is gone.
+            for w in [w for w in self.sticky.values() if self.node_of.get(w) == node]:
+                self.lost_wids.add(w)
+                self._set_role(w, "lost")
             lost = {r for r, w in self.members.items() if self.node_of.get(w) == node and r not in self.finished}
             for r in lost:
                 self.lost_wids.add(self.members[r])
@@ -789,6 +795,7 @@ class Controller:
             mirrors=_StoreMirrors(self.store, self.spec.world_size, self._on_bad_record),
             sticky=self.sticky,
             cause=m.cause,
+            silent_nodes=frozenset(n for n, age in self.node_heartbeat_ages.items() if age > 2 * self.config.heartbeat_interval_s),
         )
         written = try_get(self.store, Keys.plan(m.generation), Plan)
         if written is not None:

@@ -24,7 +24,9 @@ Rules:
   whose small state is known to be identical (equal mirror digests).
 * A lost or draining rank gets a spare: the one it was given by an earlier,
   interrupted plan if that spare is still alive, else one on its own node,
-  else one on the node with the most spares left.
+  else one on the node with the most spares left. Spares on a node whose
+  launcher has gone quiet (``silent_nodes``) come last: that node may be
+  about to be declared lost with them.
 * When some rank cannot be given its state, or no spare is left, the result is
   :class:`Disqualified` with a message naming the rank and the missing piece.
 """
@@ -69,6 +71,8 @@ class PlanInput:
     """Rank -> spare assigned by an earlier plan that did not complete."""
     cause: str = ""
     max_sources: int = 4
+    silent_nodes: frozenset[int] = frozenset()
+    """Nodes whose launcher missed its recent heartbeats: their spares are the last choice, never the first."""
 
 
 @dataclass(frozen=True)
@@ -183,14 +187,14 @@ def _assign_spares(inp: PlanInput, needy: list[int]) -> dict[int, str] | Disqual
                 "no_spare",
             )
         home = inp.node_of.get(inp.members.get(rank, ""), -1)
-        local = [w for w, n in pool.items() if n == home]
+        local = [w for w, n in pool.items() if n == home] if home not in inp.silent_nodes else []
         if local:
             wid = sorted(local)[0]
         else:
             counts: dict[int, int] = {}
             for n in pool.values():
                 counts[n] = counts.get(n, 0) + 1
-            wid = sorted(pool, key=lambda w: (-counts[pool[w]], w))[0]
+            wid = sorted(pool, key=lambda w: (pool[w] in inp.silent_nodes, -counts[pool[w]], w))[0]
         assigned[rank] = wid
         del pool[wid]
     return assigned

@@ -237,6 +237,25 @@ def test_single_process_loss_prefers_a_spare_on_its_own_node():
     assert plan.joins["1"] == "n0-s0"
 
 
+def test_spares_on_a_quiet_node_are_the_last_choice():
+    # Rank 1's node 0 has gone quiet (its launcher missed its beats: a lost host, not yet declared):
+    # its own spare is not preferred, and when one of two lost ranks must take it, the other does not.
+    inp = plan_input(
+        ddp_layout(6),
+        versions={2: 5, 3: 5, 5: 5},
+        lost={0, 1, 4},
+        spares={"n0-s0": 0, "n1-s0": 1, "n1-s1": 1, "n2-s0": 2},
+        mirrors={0: {5: "a"}, 1: {5: "b"}, 4: {5: "c"}},
+    )
+    inp.silent_nodes = frozenset({0})
+    plan = planned(inp)
+    assert "n0-s0" not in plan.joins.values(), plan.joins
+    inp.spares = [s for s in inp.spares if s.wid != "n2-s0"]
+    plan = planned(inp)
+    assert sorted(plan.joins.values()) == ["n0-s0", "n1-s0", "n1-s1"]
+    assert plan.joins["4"] == "n0-s0", plan.joins
+
+
 def test_sticky_spare_is_reused():
     inp = plan_input(ddp_layout(4), versions={0: 5, 2: 5, 3: 5}, lost={1}, sticky={1: "n1-s0"}, mirrors={1: {5: "a"}}, cause="planned")
     assert planned(inp).joins["1"] == "n1-s0"
