@@ -236,9 +236,21 @@ def launch(
     return JobRun(workdir, procs, logs, run_dir, secret_file)
 
 
+PACING_FLAGS = ("--step-sleep", "--test-step-sleep")
+"""Test-job flags that only pace a run (a sleep in each step, so that a fault lands mid-job): no value the job
+computes depends on them."""
+
+
+def unpaced(script_args: list[str]) -> list[str]:
+    """``script_args`` with every pacing sleep set to 0: a fault-free reference has no fault to wait for."""
+    return ["0" if i and script_args[i - 1] in PACING_FLAGS else arg for i, arg in enumerate(script_args)]
+
+
 def fault_free(workdir: Path, script: str | Path, script_args: list[str], **kwargs: Any) -> dict[int, dict[str, Any]]:
-    """The results of a run without faults (the oracle a faulted run is compared with); fails if it migrated."""
-    run = launch(workdir, script, script_args, **kwargs)
+    """The results of a run without faults (the oracle a faulted run is compared with); fails if it migrated.
+
+    It runs unpaced: the faulted run sleeps in each step so that its fault lands mid-job, which changes no value."""
+    run = launch(workdir, script, unpaced(script_args), **kwargs)
     assert run.wait() == 0, run.output()[-3000:]
     assert not run.migrations(), run.explain()
     return run.results()
