@@ -56,7 +56,7 @@ import torch
 
 from .cuda_staging import pinned_like, stage_to_host
 from .manifest import Captured, capture, rebuild
-from .transfer import Address, TransferError, push_state
+from .transfer import Address, HolderLink, TransferError
 
 __all__ = ["BuddyCounters", "BuddyKeeper", "GateReleased", "PushBytes"]
 
@@ -161,7 +161,8 @@ class BuddyKeeper:
         self._chunk_bytes = chunk_bytes
         self._retries = retries
         self._timeout = timeout
-        self._secret = secret
+        self._link = HolderLink(timeout, secret)
+        """The connection to the current buddy, used by the background thread only."""
         self._publish = publish
         self._withdraw = withdraw
         self._cv = threading.Condition()
@@ -277,15 +278,7 @@ class BuddyKeeper:
                 self._publish(snap, "snapshot")
                 if buddy is not None:
                     part = self._sharded_part(snap)
-                    stats = push_state(
-                        buddy,
-                        self.rank,
-                        part,
-                        chunk_bytes=self._chunk_bytes,
-                        retries=self._retries,
-                        timeout=self._timeout,
-                        secret=self._secret,
-                    )
+                    stats = self._link.push(buddy, self.rank, part, chunk_bytes=self._chunk_bytes, retries=self._retries)
                     with self._cv:
                         self._account_push(PushBytes(part.manifest.nbytes, 0, stats.checksummed, stats.nbytes), new=False)
             except (TransferError, OSError) as exc:

@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import socket
+import threading
 import time
 from collections import OrderedDict
 
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 from torchpass.core import handshake
 from torchpass.core.checksum import crc32c
 from torchpass.core.manifest import Captured, capture, fingerprint, rebuild, state_digest, tensor_bytes
-from torchpass.core.transfer import ReceivePool, StateServer, TransferError, fetch_state, push_state
+from torchpass.core.transfer import HolderLink, ReceivePool, StateServer, TransferError, fetch_state
 
 from tests.support.secret import SECRET
 
@@ -413,10 +414,59 @@ def test_a_hold_push_without_the_secret_installs_nothing(servers):
                      on_held=lambda src, captured: held.append(src))  # fmt: skip
     forged = capture(make_state(seed=9), CLASSES, version=6)
     with pytest.raises(TransferError):
-        push_state(server.address, 1, forged, chunk_bytes=CHUNK, retries=0, timeout=10.0, secret=b"not-the-job-secret-000000")
+        HolderLink(10.0, b"not-the-job-secret-000000").push(server.address, 1, forged, chunk_bytes=CHUNK, retries=0)
     assert held == [] and server.refused == 1
-    push_state(server.address, 1, forged, chunk_bytes=CHUNK, retries=0, timeout=10.0, secret=SECRET)
+    HolderLink(10.0, SECRET).push(server.address, 1, forged, chunk_bytes=CHUNK, retries=0)
     assert held == [1]  # the job's own push still lands
+
+
+def _holder(servers) -> tuple[StateServer, list[tuple[int, int]]]:
+    """A state server that holds buddy copies, and the (source rank, version) of each it installed."""
+    held: list[tuple[int, int]] = []
+    server = servers(hold_into=lambda src, manifest: [torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in manifest.entries],
+                     on_held=lambda src, captured: held.append((src, captured.manifest.version)))  # fmt: skip
+    return server, held
+
+
+def _connections_served() -> int:
+    return sum(t.name == "torchpass-state-conn" for t in threading.enumerate())
+
+
+def _until(condition, what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_pushes_to_one_holder_share_one_connection_and_a_holder_that_moved_gets_a_new_one(servers):
+    """A push per step must not pay a connect, a handshake and a thread on the holder each time."""
+    first, held_first = _holder(servers)
+    second, held_second = _holder(servers)
+    before = _connections_served()
+    link = HolderLink(10.0, SECRET)
+    for version in (1, 2, 3):
+        link.push(first.address, 4, capture(make_state(seed=version), CLASSES, version=version), chunk_bytes=CHUNK, retries=0)
+    assert held_first == [(4, 1), (4, 2), (4, 3)]
+    assert _connections_served() == before + 1
+    # The buddy was re-paired (a migration): the old connection is closed, not left open beside the new one.
+    link.push(second.address, 4, capture(make_state(seed=4), CLASSES, version=4), chunk_bytes=CHUNK, retries=0)
+    assert held_second == [(4, 4)]
+    _until(lambda: _connections_served() == before + 1, "the connection to the first holder was left open")
+    link.close()
+    _until(lambda: _connections_served() == before, "close() left the connection open")
+
+
+def test_a_failed_push_drops_the_connection_and_the_next_push_opens_a_new_one(servers):
+    holder, held = _holder(servers)
+    link = HolderLink(10.0, SECRET)
+    link.push(holder.address, 2, capture(make_state(seed=1), CLASSES, version=1), chunk_bytes=CHUNK, retries=0)
+    not_a_holder = servers()  # serves copies but holds none: it refuses the push
+    with pytest.raises(TransferError, match="does not hold buddy copies"):
+        link.push(not_a_holder.address, 2, capture(make_state(seed=2), CLASSES, version=2), chunk_bytes=CHUNK, retries=0)
+    link.push(holder.address, 2, capture(make_state(seed=3), CLASSES, version=3), chunk_bytes=CHUNK, retries=0)
+    assert held == [(2, 1), (2, 3)]
+    link.close()
 
 
 def test_a_pickle_that_would_run_code_is_never_loaded_even_from_a_peer_with_the_secret(servers, tmp_path):
