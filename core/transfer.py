@@ -554,8 +554,9 @@ class HolderLink:
 
     Opening one per push cost a TCP connect, the handshake's two round trips and a thread
     started on the holder, each a wake-up of another process on a loaded machine, and all
-    of it inside the window the push gate waits on (a buddy copy every step of a 30 ms step
-    spent 3.5 ms in that gate). The holder serves any number of pushes on one connection.
+    of it inside the window the push gate waits on (a buddy copy every step of a ~50 ms step,
+    4 ranks on 2 cores: 2.8-3.2 ms in that gate, 2.0-2.5 ms with the connection kept). The
+    holder serves any number of pushes on one connection.
     A push that fails drops the connection, and the next push opens a new one: a holder
     that is gone fails that push too, so nothing is retried here (the caller's gate gives
     the version up, see :mod:`~torchpass.core.buddy`)."""
