@@ -566,7 +566,11 @@ class Controller:
         key = Keys.node_beat(node)
         if node == self.node or not self.store.check([key]):
             return False
-        return self._beats.age(("node", node), int(self.store.get(key))) > 2 * self.config.heartbeat_interval_s
+        return self._quiet(self._beats.age(("node", node), int(self.store.get(key))))
+
+    def _quiet(self, age: float) -> bool:
+        """Whether a node agent's beat this old means it missed its beats (it beats twice per heartbeat interval)."""
+        return age > 2 * self.config.heartbeat_interval_s
 
     def _check_nodes(self) -> None:
         """A node whose agent stopped heartbeating is lost with every process on it."""
@@ -795,7 +799,7 @@ class Controller:
             mirrors=_StoreMirrors(self.store, self.spec.world_size, self._on_bad_record),
             sticky=self.sticky,
             cause=m.cause,
-            silent_nodes=frozenset(n for n, age in self.node_heartbeat_ages.items() if age > 2 * self.config.heartbeat_interval_s),
+            silent_nodes=frozenset(n for n, age in self.node_heartbeat_ages.items() if self._quiet(age)),
         )
         written = try_get(self.store, Keys.plan(m.generation), Plan)
         if written is not None:

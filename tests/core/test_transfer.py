@@ -420,16 +420,14 @@ def test_a_hold_push_without_the_secret_installs_nothing(servers):
     assert held == [1]  # the job's own push still lands
 
 
-def _holder(servers) -> tuple[StateServer, list[tuple[int, int]]]:
-    """A state server that holds buddy copies, and the (source rank, version) of each it installed."""
-    held: list[tuple[int, int]] = []
+def _holder(servers) -> tuple[StateServer, list[tuple[int, int, threading.Thread]]]:
+    """A state server that holds buddy copies, and (source rank, version, serving thread) of each it installed.
+
+    The server serves each connection on a thread of its own: pushes served by one thread came over one connection."""
+    held: list[tuple[int, int, threading.Thread]] = []
     server = servers(hold_into=lambda src, manifest: [torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in manifest.entries],
-                     on_held=lambda src, captured: held.append((src, captured.manifest.version)))  # fmt: skip
+                     on_held=lambda src, captured: held.append((src, captured.manifest.version, threading.current_thread())))  # fmt: skip
     return server, held
-
-
-def _connections_served() -> int:
-    return sum(t.name == "torchpass-state-conn" for t in threading.enumerate())
 
 
 def _until(condition, what: str, timeout: float = 10.0) -> None:
@@ -443,29 +441,42 @@ def test_pushes_to_one_holder_share_one_connection_and_a_holder_that_moved_gets_
     """A push per step must not pay a connect, a handshake and a thread on the holder each time."""
     first, held_first = _holder(servers)
     second, held_second = _holder(servers)
-    before = _connections_served()
     link = HolderLink(10.0, SECRET)
     for version in (1, 2, 3):
         link.push(first.address, 4, capture(make_state(seed=version), CLASSES, version=version), chunk_bytes=CHUNK, retries=0)
-    assert held_first == [(4, 1), (4, 2), (4, 3)]
-    assert _connections_served() == before + 1
+    assert [(src, version) for src, version, _ in held_first] == [(4, 1), (4, 2), (4, 3)]
+    (first_conn,) = {thread for _, _, thread in held_first}
     # The buddy was re-paired (a migration): the old connection is closed, not left open beside the new one.
     link.push(second.address, 4, capture(make_state(seed=4), CLASSES, version=4), chunk_bytes=CHUNK, retries=0)
-    assert held_second == [(4, 4)]
-    _until(lambda: _connections_served() == before + 1, "the connection to the first holder was left open")
+    assert [(src, version) for src, version, _ in held_second] == [(4, 4)]
+    _until(lambda: not first_conn.is_alive(), "the connection to the first holder was left open")
+    second_conn = held_second[0][2]
+    assert second_conn.is_alive()
     link.close()
-    _until(lambda: _connections_served() == before, "close() left the connection open")
+    _until(lambda: not second_conn.is_alive(), "close() left the connection open")
 
 
 def test_a_failed_push_drops_the_connection_and_the_next_push_opens_a_new_one(servers):
-    holder, held = _holder(servers)
+    """The holder refuses one push (it has no slot for it) and takes the next, on a new connection."""
+    held: list[tuple[int, threading.Thread]] = []
+    refusals = [TransferError("no slot for this copy")]
+    refused_on: list[threading.Thread] = []
+
+    def hold_into(src, manifest):
+        if refusals:
+            refused_on.append(threading.current_thread())
+            raise refusals.pop()
+        return [torch.empty(e.shape, dtype=getattr(torch, e.dtype)) for e in manifest.entries]
+
+    holder = servers(hold_into=hold_into, on_held=lambda src, captured: held.append((captured.manifest.version, threading.current_thread())))
     link = HolderLink(10.0, SECRET)
-    link.push(holder.address, 2, capture(make_state(seed=1), CLASSES, version=1), chunk_bytes=CHUNK, retries=0)
-    not_a_holder = servers()  # serves copies but holds none: it refuses the push
-    with pytest.raises(TransferError, match="does not hold buddy copies"):
-        link.push(not_a_holder.address, 2, capture(make_state(seed=2), CLASSES, version=2), chunk_bytes=CHUNK, retries=0)
+    with pytest.raises(TransferError, match="no slot for this copy"):
+        link.push(holder.address, 2, capture(make_state(seed=1), CLASSES, version=1), chunk_bytes=CHUNK, retries=0)
+    link.push(holder.address, 2, capture(make_state(seed=2), CLASSES, version=2), chunk_bytes=CHUNK, retries=0)
     link.push(holder.address, 2, capture(make_state(seed=3), CLASSES, version=3), chunk_bytes=CHUNK, retries=0)
-    assert held == [(2, 1), (2, 3)]
+    assert [version for version, _ in held] == [2, 3]
+    assert held[0][1] is not refused_on[0], "the push after the failure went over the connection it failed on"
+    assert held[0][1] is held[1][1], "the pushes after the failure did not share their new connection"
     link.close()
 
 

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import pytest
 
-from tests.support.harness import JOBS, JobRun, assert_migrated, fault_rng, launch, unpaced
+from tests.support.harness import JOBS, JobRun, assert_migrated, fault_free, fault_rng, launch
 
 pytestmark = pytest.mark.e2e
 
@@ -60,10 +60,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]
     def get(name: str) -> dict:
         if name not in cache:
             extra, nproc = {**JOBS_BY_NAME, **LOADER_JOBS, **OWN_LOADER_JOBS}[name]
-            run = launch(tmp_path_factory.mktemp(f"reference-{name}"), JOB, unpaced([*ARGS, *extra]), nproc=nproc, spares=0)
-            assert run.wait() == 0, run.output()[-3000:]
-            assert not run.migrations()
-            cache[name] = run.results()
+            cache[name] = fault_free(tmp_path_factory.mktemp(f"reference-{name}"), JOB, [*ARGS, *extra], nproc=nproc, spares=0)
         return cache[name]
 
     return get
