@@ -30,7 +30,7 @@ from collections.abc import Iterable, Sequence
 
 import crc32c as _crc32c
 
-__all__ = ["CHUNK_BYTES", "THREADS", "Chunk", "CrcTable", "chunk_grid", "crc32c", "submit"]
+__all__ = ["CHUNK_BYTES", "INLINE_BYTES", "THREADS", "Chunk", "Crc", "CrcTable", "KnownCrc", "chunk_grid", "crc32c", "submit"]
 
 Chunk = tuple[int, int, int]
 """A tensor index, a byte offset into that tensor, a byte length."""
@@ -50,6 +50,11 @@ THREADS = min(4, len(os.sched_getaffinity(0)))
 """Checksum threads per process: one per core this process may run on, at most 4, which at
 ~13 GB/s each outrun any socket a transfer sees; more would only take cores from training."""
 
+INLINE_BYTES = 32 << 10
+"""Below this a checksum runs on the thread that asks for it: ``crc32c`` keeps the GIL for buffers
+under 32 KiB, so a checksum thread could not run beside the caller anyway, and the hand-off
+(~20-50 µs measured here, a queue and a wake-up each way) costs more than the checksum (~2 µs)."""
+
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
@@ -63,12 +68,34 @@ def _forget_pool() -> None:
 os.register_at_fork(after_in_child=_forget_pool)
 
 
-def submit(data: memoryview) -> concurrent.futures.Future[int]:
+class KnownCrc:
+    """A CRC already computed: what a small buffer's checksum and a chunk verified on receipt give.
+
+    A ``Future`` would do, but builds a ``Condition`` (and its lock) for a value that is
+    already there, which measured ~20 µs a chunk, the most of a small tensor's cost."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int):
+        self.value = value
+
+    def result(self) -> int:
+        return self.value
+
+
+Crc = concurrent.futures.Future[int] | KnownCrc
+"""A chunk's CRC: computing on a checksum thread, or known; ``result()`` gives it."""
+
+
+def submit(data: memoryview) -> Crc:
     """:func:`crc32c` of ``data`` on the process's :data:`THREADS` checksum threads.
 
     Both ends of a transfer checksum here: a sender's lookahead and a receiver's
     verification spread over these threads instead of one helper thread each.
+    Buffers under :data:`INLINE_BYTES` are checksummed on the calling thread instead.
     """
+    if data.nbytes < INLINE_BYTES:
+        return KnownCrc(crc32c(data))
     global _pool
     with _pool_lock:
         if _pool is None:
@@ -98,7 +125,7 @@ class CrcTable:
     def __init__(self, views: Sequence[memoryview]):
         self.views = views
         """The copy's tensors as flat bytes: what a sender reads and a receiver receives into."""
-        self._crcs: dict[Chunk, concurrent.futures.Future[int]] = {}
+        self._crcs: dict[Chunk, Crc] = {}
         self._lock = threading.Lock()
         self._checksummed = 0
 
@@ -113,7 +140,7 @@ class CrcTable:
         index, offset, length = chunk
         return self.views[index][offset : offset + length]
 
-    def crc(self, chunk: Chunk) -> concurrent.futures.Future[int]:
+    def crc(self, chunk: Chunk) -> Crc:
         """The CRC of ``chunk``: already known, or computed now on the checksum threads."""
         with self._lock:
             future = self._crcs.get(chunk)
@@ -122,7 +149,7 @@ class CrcTable:
                 self._checksummed += chunk[2]
             return future
 
-    def recompute(self, chunk: Chunk) -> concurrent.futures.Future[int]:
+    def recompute(self, chunk: Chunk) -> Crc:
         """The CRC of the bytes of ``chunk`` now in place, computed anew: bytes just received, to verify."""
         with self._lock:
             self._checksummed += chunk[2]
@@ -130,7 +157,5 @@ class CrcTable:
 
     def record(self, chunk: Chunk, crc: int) -> None:
         """Take ``crc`` as the CRC of ``chunk``: its bytes were verified against it on receipt."""
-        known: concurrent.futures.Future[int] = concurrent.futures.Future()
-        known.set_result(crc)
         with self._lock:
-            self._crcs[chunk] = known
+            self._crcs[chunk] = KnownCrc(crc)

@@ -48,7 +48,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from . import handshake, safe_pickle
-from .checksum import CHUNK_BYTES, Chunk, CrcTable, chunk_grid
+from .checksum import CHUNK_BYTES, Chunk, Crc, CrcTable, chunk_grid
 from .comms import socket_creation_lock
 from .manifest import Captured, Manifest, TensorEntry, fingerprint, tensor_bytes
 
@@ -61,6 +61,12 @@ _FRAME = struct.Struct("!IQII")
 _END = 0xFFFFFFFF
 _SOCKET_BUFFER = 8 << 20
 _LOOKAHEAD = 8
+_BATCH_BYTES = 1 << 20
+"""A sender gathers consecutive frames into one system call until their payloads reach this
+(a 4 MiB chunk goes alone, with its header): enough that a state of many small tensors crosses
+in a few sends, small enough that the first bytes leave while later CRCs are still computed."""
+_BATCH_BUFFERS = 128
+"""At most this many buffers (headers and payloads) in one ``sendmsg``, well under the kernel's ``IOV_MAX`` (1024)."""
 """Chunks whose CRCs a sender asks for ahead of the socket: enough to keep every checksum
 thread busy while one chunk drains, few enough that streams served at once share the threads."""
 MAX_MESSAGE_BYTES = 1 << 30
@@ -135,10 +141,15 @@ def _send_frames(
     chunks: Sequence[Chunk],
     corrupt: Callable[[Chunk, memoryview], bytes | None] | None = None,
 ) -> int:
-    """Stream ``chunks`` of ``table``'s copy with their CRC32Cs, asked for :data:`_LOOKAHEAD` chunks ahead."""
+    """Stream ``chunks`` of ``table``'s copy with their CRC32Cs, asked for :data:`_LOOKAHEAD` chunks ahead.
+
+    Frames go out in batches (:func:`_send_batch`): each header in the same system call as its
+    payload, and consecutive small frames together."""
     upcoming = iter(chunks)
     ahead = collections.deque((chunk, table.crc(chunk)) for chunk in itertools.islice(upcoming, _LOOKAHEAD))
     sent = 0
+    batch: list[bytes | memoryview] = []
+    batched = 0
     while ahead:
         chunk, crc = ahead.popleft()
         following = next(upcoming, None)
@@ -146,11 +157,29 @@ def _send_frames(
             ahead.append((following, table.crc(following)))
         view = table.view(chunk)
         payload = corrupt(chunk, view) if corrupt else None
-        conn.sendall(_FRAME.pack(*chunk, crc.result()))
-        conn.sendall(payload if payload is not None else view)
+        batch += [_FRAME.pack(*chunk, crc.result()), payload if payload is not None else view]
+        batched += chunk[2]
         sent += chunk[2]
-    conn.sendall(_FRAME.pack(_END, 0, 0, 0))
+        if batched >= _BATCH_BYTES or len(batch) >= _BATCH_BUFFERS:
+            _send_batch(conn, batch)
+            batch, batched = [], 0
+    _send_batch(conn, [*batch, _FRAME.pack(_END, 0, 0, 0)])
     return sent
+
+
+def _send_batch(conn: socket.socket, buffers: list[bytes | memoryview]) -> None:
+    """Send ``buffers`` in order, in as few system calls as the socket takes them.
+
+    A frame's 20-byte header sent on its own leaves as a packet of its own (``TCP_NODELAY``)
+    and wakes the receiver for it; a state of many small tensors paid that per tensor."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        n = conn.sendmsg(views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
 
 
 def _receive_frames(sock: socket.socket, table: CrcTable, bad: list[Chunk]) -> int:
@@ -159,7 +188,7 @@ def _receive_frames(sock: socket.socket, table: CrcTable, bad: list[Chunk]) -> i
     Each chunk is verified on the checksum threads while the next ones arrive; one
     that matches becomes the copy's known CRC for that chunk.
     """
-    checks: list[tuple[Chunk, int, concurrent.futures.Future[int]]] = []
+    checks: list[tuple[Chunk, int, Crc]] = []
     header = bytearray(_FRAME.size)
     received = 0
     try:
@@ -176,7 +205,7 @@ def _receive_frames(sock: socket.socket, table: CrcTable, bad: list[Chunk]) -> i
             received += length
     finally:
         # Checksum threads read the destination: none may still be at it once this returns.
-        concurrent.futures.wait([computed for _, _, computed in checks])
+        concurrent.futures.wait([computed for _, _, computed in checks if isinstance(computed, concurrent.futures.Future)])
     for chunk, crc, computed in checks:
         if computed.result() == crc:
             table.record(chunk, crc)
@@ -416,8 +445,7 @@ class ReceivePool:
         self._used = 0
 
     def take(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = math.prod(shape) * itemsize
+        nbytes = math.prod(shape) * dtype.itemsize
         start = -(-self._used // 64) * 64  # 64-byte alignment for vectorized kernels
         if start + nbytes > self.nbytes:
             return torch.empty(tuple(shape), dtype=dtype)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torchpass.core import handshake
 from torchpass.core.checksum import crc32c
 from torchpass.core.manifest import Captured, capture, fingerprint, rebuild, state_digest, tensor_bytes
-from torchpass.core.transfer import HolderLink, ReceivePool, StateServer, TransferError, fetch_state
+from torchpass.core.transfer import HolderLink, ReceivePool, StateServer, TransferError, _send_batch, fetch_state
 
 from tests.support.secret import SECRET
 
@@ -435,6 +435,39 @@ def _until(condition, what: str, timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+def test_a_state_of_many_small_tensors_crosses_bitwise(servers):
+    """Hundreds of tensors a few bytes to a few KiB each (biases, norms, scalars, empties): their frames go out in batches."""
+    g = torch.Generator().manual_seed(7)
+    sizes = [int(n) for n in torch.randint(0, 3000, (400,), generator=g)]
+    state = {"model": {f"t{i}": torch.randn(n, generator=g) for i, n in enumerate(sizes)}, "optimizer": {}}
+    server = servers()
+    server.publish(capture(state, CLASSES, version=1))
+    manifest, tensors, stats = fetch_state([(server.address, "live")], 1, chunk_bytes=CHUNK, secret=SECRET)
+    assert state_digest(rebuild(manifest, tensors)) == state_digest(state)
+    assert stats.nbytes == sum(sizes) * 4
+
+
+def test_a_batch_larger_than_the_socket_takes_at_once_arrives_whole():
+    """``sendmsg`` may take part of a batch, even part of one buffer: the rest follows, in order."""
+    send, receive = socket.socketpair()
+    send.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    buffers = [bytes([i]) * n for i, n in enumerate([20, 70000, 3, 20, 150000, 0, 20, 9999])]
+    got = bytearray()
+
+    def read_slowly() -> None:
+        # Small reads with pauses, so the sender's buffer fills and sendmsg returns short.
+        while len(got) < sum(map(len, buffers)):
+            got.extend(receive.recv(1000))
+            time.sleep(0.0001)
+
+    reader = threading.Thread(target=read_slowly)
+    reader.start()
+    _send_batch(send, [memoryview(b) if i % 2 else b for i, b in enumerate(buffers)])
+    reader.join(30)
+    send.close(), receive.close()
+    assert bytes(got) == b"".join(buffers)
 
 
 def test_pushes_to_one_holder_share_one_connection_and_a_holder_that_moved_gets_a_new_one(servers):
