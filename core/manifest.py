@@ -20,7 +20,6 @@ before one is copied from the other.
 
 from __future__ import annotations
 
-import concurrent.futures
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import Any, Mapping
 import torch
 
 from . import safe_pickle
-from .checksum import CHUNK_BYTES, CrcTable, chunk_grid
+from .checksum import CHUNK_BYTES, Crc, CrcTable, chunk_grid
 from .cuda_staging import mark_ready, pinned_like, stage_to_host
 
 __all__ = [
@@ -220,7 +219,7 @@ def fingerprint(captured: Captured, state_classes: set[str] | None = None, *, ch
     table = captured.checksums()
     entries = captured.manifest.entries
     wanted = [i for i, e in enumerate(entries) if state_classes is None or e.state_class in state_classes]
-    crcs: dict[int, list[concurrent.futures.Future[int]]] = {i: [] for i in wanted}
+    crcs: dict[int, list[Crc]] = {i: [] for i in wanted}
     for chunk in chunk_grid([e.nbytes for e in entries], chunk_bytes, wanted):
         crcs[chunk[0]].append(table.crc(chunk))  # all submitted before the first is awaited: every core works
     h = hashlib.sha256()
