@@ -16,9 +16,10 @@ State is checksummed in *chunks* on a grid (:func:`chunk_grid`): the unit a
 transfer sends, verifies and resends. A :class:`CrcTable` belongs to one copy
 of state whose bytes no longer change (a snapshot, a buddy copy held for
 another rank, the live state while it is published for a migration); it
-computes each chunk's CRC at most once, on a process-wide pool of threads,
-and remembers the ones verified on receipt, so a copy that is sent again, or
-fingerprinted and then sent, is never read twice for its checksums.
+computes each chunk's CRC at most once, on a process-wide pool of threads
+(below :data:`INLINE_BYTES`, on the thread that asks), and remembers the ones
+verified on receipt, so a copy that is sent again, or fingerprinted and then
+sent, is never read twice for its checksums.
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class KnownCrc:
     """A CRC already computed: what a small buffer's checksum and a chunk verified on receipt give.
 
     A ``Future`` would do, but builds a ``Condition`` (and its lock) for a value that is
-    already there, which measured ~20 µs a chunk, the most of a small tensor's cost."""
+    already there, two a received chunk: a fetch of 1,000 tensors of 4 KiB took 42-47 ms
+    with them and 32-35 ms without."""
 
     __slots__ = ("value",)
 
@@ -141,7 +143,7 @@ class CrcTable:
         return self.views[index][offset : offset + length]
 
     def crc(self, chunk: Chunk) -> Crc:
-        """The CRC of ``chunk``: already known, or computed now on the checksum threads."""
+        """The CRC of ``chunk``: already known, or computed now (:func:`submit`)."""
         with self._lock:
             future = self._crcs.get(chunk)
             if future is None:

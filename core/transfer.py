@@ -21,7 +21,8 @@ Protocol, per connection (after the handshake, every message is an 8-byte length
    chunks that fail are requested again, up to ``retries`` rounds, after which
    the transfer fails: a receiver never resumes on unverified bytes.
 
-Checksums run on the process's checksum threads, one per core up to 4
+Checksums run on the process's checksum threads, one per core up to 4, those of
+chunks under 32 KiB on the thread that needs them
 (:mod:`~torchpass.core.checksum`): the source asks for CRCs a few chunks ahead
 of the socket, the receiver verifies behind it, and hardware CRC32C (~13 GB/s a
 thread here) and socket I/O release the GIL, so the checksum never bounds the
@@ -61,14 +62,14 @@ _FRAME = struct.Struct("!IQII")
 _END = 0xFFFFFFFF
 _SOCKET_BUFFER = 8 << 20
 _LOOKAHEAD = 8
-_BATCH_BYTES = 1 << 20
-"""A sender gathers consecutive frames into one system call until their payloads reach this
-(a 4 MiB chunk goes alone, with its header): enough that a state of many small tensors crosses
-in a few sends, small enough that the first bytes leave while later CRCs are still computed."""
-_BATCH_BUFFERS = 128
-"""At most this many buffers (headers and payloads) in one ``sendmsg``, well under the kernel's ``IOV_MAX`` (1024)."""
 """Chunks whose CRCs a sender asks for ahead of the socket: enough to keep every checksum
 thread busy while one chunk drains, few enough that streams served at once share the threads."""
+_BATCH_BYTES = 1 << 20
+"""A sender gathers consecutive frames into one system call until their payloads reach this (a
+4 MiB chunk reaches it by itself): enough that a state of many small tensors crosses in a few
+sends, small enough that the first bytes leave while later CRCs are still computed."""
+_BATCH_BUFFERS = 128
+"""At most this many buffers (headers and payloads) in one ``sendmsg``, well under the kernel's ``IOV_MAX`` (1024)."""
 MAX_MESSAGE_BYTES = 1 << 30
 """The largest request, reply or manifest a peer may announce: a manifest lists one entry per tensor
 (~100 bytes each), so this leaves room for millions of tensors while a bad length cannot claim all memory."""
@@ -185,7 +186,8 @@ def _send_batch(conn: socket.socket, buffers: list[bytes | memoryview]) -> None:
 def _receive_frames(sock: socket.socket, table: CrcTable, bad: list[Chunk]) -> int:
     """Receive frames into ``table``'s copy until the end marker; appends the chunks failing their CRC to ``bad``.
 
-    Each chunk is verified on the checksum threads while the next ones arrive; one
+    Each chunk is verified on the checksum threads while the next ones arrive (one under
+    :data:`~torchpass.core.checksum.INLINE_BYTES` before the next is read); one
     that matches becomes the copy's known CRC for that chunk.
     """
     checks: list[tuple[Chunk, int, Crc]] = []
