@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import gc
 import importlib
 import importlib.util
 import os
@@ -89,6 +90,19 @@ def _preload(target: str, is_module: bool) -> None:
             print(f"[torchpass] spare preload of {name!r} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
 
 
+def _freeze_preloaded() -> None:
+    """Keep the preloaded modules' objects out of every later garbage collection.
+
+    Frameworks collect during set-up (DeepSpeed's ZeRO-3 partitioning calls ``gc.collect()``),
+    and a full collection walks every object the imports made: ~0.13 s in a spare that has
+    imported torch and DeepSpeed, paid after the assignment. Frozen objects are moved to a
+    permanent generation that collections skip (``gc.freeze``); the garbage the imports left
+    is collected first, so what is frozen is what stays alive anyway.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def _become_rank(rank: int) -> None:
     os.environ["RANK"] = str(rank)
     os.environ["ROLE_RANK"] = str(rank)
@@ -130,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     if rt.role == "spare":
         devices.warm_spare(int(os.environ["LOCAL_RANK"]))
         _preload(target, is_module)
+        _freeze_preloaded()
         _become_rank(rt.wait_for_assignment())
         comms.set_local_mode_default(True)
         if rt.store_address.etcd:
