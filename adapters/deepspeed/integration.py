@@ -51,6 +51,22 @@ def _warm(_: ModuleType) -> None:
             spec = None
         if spec is not None:
             importlib.import_module(name)
+    _probe_ops()
+
+
+def _probe_ops() -> None:
+    """Run now what ``deepspeed.init_distributed`` computes on its first call in a process.
+
+    Its backend probes which DeepSpeed ops this machine can build (``deepspeed.ops.__compatible_ops__``,
+    computed on first access and kept in the module: compiler test programs among them) and loads the
+    shared-memory communication op of the CPU accelerator (kept in DeepSpeed's op cache). Measured on the
+    2-core machine: 55 ms and 11 ms, a third of a ZeRO-3 spare's set-up after its assignment otherwise.
+    """
+    ops = importlib.import_module("deepspeed.ops")
+    getattr(ops, "__compatible_ops__")  # the lazy probe: computed and cached by this access
+    backend = importlib.import_module("deepspeed.comm.torch")
+    if hasattr(backend, "build_shm_op"):
+        backend.build_shm_op()
 
 
 TRAINER_IMPORTS = ("transformers.trainer", "deepspeed")
