@@ -172,6 +172,11 @@ def _rdzv_conf(text: str) -> dict[str, str]:
 
 _CAMPAIGN_INTERVAL_S = 0.5
 """How often a launcher that does not run the controller looks whether its lease is free (one etcd read)."""
+MIGRATING_TICK_S = 0.005
+"""The controller's tick while a migration is in progress, instead of ``--monitor-interval``. Each phase of a
+migration (every report in, every rank ready, every rank done) is seen at the next tick, so at the monitor
+interval (50 ms) each would wait for a sleep to end: measured, 52 ms of a ZeRO-3 job's 0.65 s recovery went to
+the first alone. A migration's tick reads O(1) store keys (counters), so 200 a second for a second is nothing."""
 
 
 def _orders(store: Any, nnodes: int) -> Any:
@@ -194,6 +199,14 @@ def _take_over(
     controller = Controller.take_over(cstore, run_dir, say, _orders(cstore, nnodes), address, store_etcd, say.node)
     say(f"controller taken over at generation {controller.generation} in {time.monotonic() - t0:.2f} s")
     return controller
+
+
+def tick_interval(controller: Controller | None, monitor_interval: float) -> float:
+    """Seconds the launcher's loop sleeps before its next tick: ``MIGRATING_TICK_S`` while the controller it runs
+    has a migration in progress, else ``--monitor-interval``."""
+    if controller is not None and controller.migration is not None:
+        return min(MIGRATING_TICK_S, monitor_interval)
+    return monitor_interval
 
 
 def _metrics_after_take_over(controller: Controller, say: _Console) -> JobMetrics | None:
@@ -500,7 +513,7 @@ def _launch(args: argparse.Namespace) -> int:
         if time.time() - last_config_check > 2.0:
             agent.refresh_config()
             last_config_check = time.time()
-        time.sleep(args.monitor_interval)
+        time.sleep(tick_interval(controller, args.monitor_interval))
 
     if controller is not None:
         assert controller.outcome is not None
