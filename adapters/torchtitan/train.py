@@ -14,8 +14,6 @@ checked before TorchTitan parses them (an unknown key fails naming the closest
 valid one).
 """
 
-import importlib
-import importlib.util
 import os
 import sys
 import tomllib
@@ -24,23 +22,11 @@ from pathlib import Path
 from torchtitan.config import ConfigManager
 from torchtitan.train import main
 
+from torchpass.adapters.torchtitan import spare_warmup
 from torchpass.adapters.torchtitan.job_config import check_table
 from torchpass.adapters.torchtitan.trainer import TorchPassTrainer
 
 SECTION_MODULE = "torchpass.adapters.torchtitan.job_config"
-
-SPARE_IMPORTS = ("scipy.io",)
-"""What a hot spare imports while it waits, beyond this module's imports. Hugging Face ``datasets`` imports
-the modules whose readers it patches for streaming (``datasets.streaming``) when a dataset builder is made,
-which TorchTitan's text loader does during the trainer's set-up, after a spare's assignment. Measured on the
-2-core machine: ``scipy.io`` took 0.13 s of a TorchTitan spare's 0.41 s set-up; the other modules it patches
-were already imported. One that is not installed is skipped, as ``datasets`` skips it."""
-
-
-def _warm_spare() -> None:
-    for name in SPARE_IMPORTS:
-        if importlib.util.find_spec(name.split(".")[0]) is not None:
-            importlib.import_module(name)
 
 
 def _option(argv: list[str], name: str) -> str | None:
@@ -74,13 +60,13 @@ def with_torchpass_section(argv: list[str]) -> list[str]:
 
 
 if os.environ.get("TORCHPASS_ROLE") == "spare":
-    # This module is what a TorchTitan spare preloads (torchpass.core.worker); the rank it is given runs it as __main__.
-    _warm_spare()
+    # A TorchTitan spare preloads this module while it waits (torchpass.core.worker), with the job's command line.
+    spare_warmup.warm(with_torchpass_section(sys.argv[1:]))
 
 if __name__ == "__main__":
     argv = with_torchpass_section(sys.argv[1:])
     # TorchTitan binds the default of `ConfigManager.parse_args(args=sys.argv[1:])` when
-    # torchtitan.config is first imported. A torchpass hot spare imports this module while
-    # it waits for a rank, before its command line is the job's: bind it again, now.
+    # torchtitan.config is first imported, which can be before sys.argv is this command line: bind it again, now.
     ConfigManager.parse_args.__defaults__ = (argv,)
+    spare_warmup.use_parsed_config(argv)
     main(TorchPassTrainer)
