@@ -325,6 +325,12 @@ class Controller:
             self.store.set(Keys.controller_state, text)
             self._written_state = text
 
+    @property
+    def training_waits(self) -> bool:
+        """A migration is collecting the survivors' reports or waiting for every rank to be ready: the job
+        trains again only after the controller's next look (resuming, it already trains)."""
+        return self.migration is not None and self.migration.phase in ("collecting", "joining")
+
     # ---- bookkeeping -----------------------------------------------------------
     def _write_workers_json(self) -> None:
         """Mark ``workers.json`` stale; it is rewritten once at the end of the tick."""
