@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 from collections.abc import Sequence
 from types import ModuleType
 
-from torchpass.core.integrations import when_imported
+from torchpass.core.integrations import when_imported, when_imported_by_waiting_spare
 
 __all__ = ["activate", "INITIALIZE_IMPORTS", "TRAINER_IMPORTS"]
 
@@ -92,6 +91,5 @@ def activate(argv: Sequence[str]) -> None:
     Hugging Face's Trainer as soon as it imports ``transformers.trainer``."""
     when_imported("deepspeed", _install)
     when_imported("transformers.trainer", _hook_trainer)
-    if os.environ.get("TORCHPASS_ROLE") == "spare":
-        when_imported("deepspeed", _warm)
-        when_imported("transformers", _warm_trainer)
+    when_imported_by_waiting_spare("deepspeed", _warm)
+    when_imported_by_waiting_spare("transformers", _warm_trainer)

@@ -14,7 +14,6 @@ checked before TorchTitan parses them (an unknown key fails naming the closest
 valid one).
 """
 
-import os
 import sys
 import tomllib
 from pathlib import Path
@@ -25,6 +24,7 @@ from torchtitan.train import main
 from torchpass.adapters.torchtitan import spare_warmup
 from torchpass.adapters.torchtitan.job_config import check_table
 from torchpass.adapters.torchtitan.trainer import TorchPassTrainer
+from torchpass.core.integrations import is_waiting_spare
 
 SECTION_MODULE = "torchpass.adapters.torchtitan.job_config"
 
@@ -59,7 +59,7 @@ def with_torchpass_section(argv: list[str]) -> list[str]:
     return [*argv, "--job.custom_config_module", SECTION_MODULE]
 
 
-if os.environ.get("TORCHPASS_ROLE") == "spare":
+if is_waiting_spare():
     # A TorchTitan spare preloads this module while it waits (torchpass.core.worker), with the job's command line.
     spare_warmup.warm(with_torchpass_section(sys.argv[1:]))
 

@@ -77,3 +77,31 @@ def test_installed_integrations_do_not_import_their_frameworks() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split("]")[1].split() == ["False", "False"], out
     assert "'deepspeed'" in out and "'megatron'" in out, out
+
+
+def test_a_spare_warm_up_runs_for_an_import_while_the_spare_waits_and_not_after_its_assignment(
+    package_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An import the script makes only after the assignment must not run a warm-up there, on the critical path."""
+    (package_dir / "tp_hooked_preloaded.py").write_text("")
+    (package_dir / "tp_hooked_later.py").write_text("")
+    warmed: list[str] = []
+    monkeypatch.setenv("TORCHPASS_ROLE", "spare")
+    integrations.when_imported_by_waiting_spare("tp_hooked_preloaded", lambda m: warmed.append(m.__name__))
+    integrations.when_imported_by_waiting_spare("tp_hooked_later", lambda m: warmed.append(m.__name__))
+    import tp_hooked_preloaded  # type: ignore[import-not-found]  # noqa: F401  (the spare's preload)
+
+    monkeypatch.setenv("TORCHPASS_ROLE", "active")  # what torchpass.core.worker does at the assignment
+    import tp_hooked_later  # type: ignore[import-not-found]  # noqa: F401  (the script, after it)
+
+    assert warmed == ["tp_hooked_preloaded"]
+
+
+def test_an_active_worker_registers_no_spare_warm_up(package_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (package_dir / "tp_hooked_active.py").write_text("")
+    monkeypatch.setenv("TORCHPASS_ROLE", "active")
+    warmed: list[str] = []
+    integrations.when_imported_by_waiting_spare("tp_hooked_active", lambda m: warmed.append(m.__name__))
+    import tp_hooked_active  # type: ignore[import-not-found]  # noqa: F401
+
+    assert warmed == [] and "tp_hooked_active" not in integrations._callbacks
