@@ -10,8 +10,9 @@
    (:mod:`torchpass.core.integrations`), which hook a framework when the
    script imports it, so an unmodified script is migratable;
 4. a spare makes its CUDA context on its own GPU where its slot has one
-   (:func:`torchpass.core.devices.warm_spare`) and imports the modules the
-   script imports (so it is warm), then waits for an assignment; once it has a rank it sets the environment
+   (:func:`torchpass.core.devices.warm_spare`), imports the modules the
+   script imports (so it is warm; the integrations' warm-ups run then) and
+   freezes what that made out of later garbage collections, then waits for an assignment; once it has a rank it sets the environment
    ``torchrun`` would have given that rank and makes new process groups start
    local;
 5. run the training script as ``__main__``. An uncaught exception is written
