@@ -3,6 +3,7 @@ imports and parses while it waits for a rank."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,7 +37,9 @@ def test_a_spare_builds_the_dataset_without_importing_a_package_and_an_active_ra
     """Hugging Face ``datasets`` imports the modules it patches for streaming when TorchTitan's loader builds the
     dataset: in a spare that is after its assignment, so the entry point imports them while the spare waits."""
     assert _packages_the_dataset_build_imports("spare", assets, tmp_path / "spare-cache") == []
-    assert "scipy" in _packages_the_dataset_build_imports("active", assets, tmp_path / "active-cache")
+    if importlib.util.find_spec("scipy") is not None:
+        # Nothing depends on scipy: where it is not installed, datasets patches nothing in it and no rank imports it.
+        assert "scipy" in _packages_the_dataset_build_imports("active", assets, tmp_path / "active-cache")
 
 
 CONFIG_PROBE = """
