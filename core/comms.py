@@ -26,7 +26,8 @@ Protocol (driven by :mod:`torchpass.core.runtime`):
    collectives complete at once as if every peer held the same data as the
    spare, because whatever they compute is overwritten by the state transfer.
 3. ``release()`` (any thread) shuts down the connected sockets of the current
-   inner group and abandons its pending collectives. gloo has no abort that
+   inner group (told apart by the addresses its rendezvous wrote and read:
+   :mod:`torchpass.core.gloo_sockets`) and abandons its pending collectives. gloo has no abort that
    wakes a pending operation (measured: ``ProcessGroupGloo.abort()`` and
    ``shutdown()`` return at once while the pending collective stays blocked
    until the peer's socket closes), so this is how survivors blocked on a hung
@@ -56,8 +57,6 @@ released rather than computing on a stale membership.
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 import time
 import weakref
@@ -85,7 +84,7 @@ from torch._C._distributed_c10d import (
     _create_work_from_future,
 )
 
-from . import job_secret, nccl_transport
+from . import gloo_sockets, job_secret, nccl_transport
 from .failures import ABANDONED_MARKER
 from .pending_work import PendingWork
 from .rendezvous_store import InterruptibleStore
@@ -138,19 +137,6 @@ _KINDS: dict[str, InnerBackends] = {
 
 _registry_lock = threading.Lock()
 _registry: list[weakref.ReferenceType["RebuildableProcessGroup"]] = []
-# Serializes socket creation we own against a rebuild's before/after socket snapshot.
-socket_creation_lock = threading.Lock()
-# Connections that are never gloo's: to the store, and accepted by the state server.
-_not_gloo_peer_ports: set[int] = set()
-_not_gloo_local_ports: set[int] = set()
-
-
-def exclude_ports(*, peer: int | None = None, local: int | None = None) -> None:
-    """Declare connections (to ``peer`` port, or accepted on ``local`` port) that a release must never touch."""
-    if peer is not None:
-        _not_gloo_peer_ports.add(peer)
-    if local is not None:
-        _not_gloo_local_ports.add(local)
 _local_by_default = False
 _installed = False
 before_collective: Callable[[], None] | None = None
@@ -168,30 +154,6 @@ def groups() -> list["RebuildableProcessGroup"]:
     with _registry_lock:
         alive = [g for g in (ref() for ref in _registry) if g is not None]
     return sorted(alive, key=lambda g: g.creation_index)
-
-
-def _connected_sockets() -> dict[int, tuple[str, tuple[Any, ...], tuple[Any, ...]]]:
-    """Connected sockets of this process: fd -> (inode link, local address, peer address)."""
-    out: dict[int, tuple[str, tuple[Any, ...], tuple[Any, ...]]] = {}
-    for name in os.listdir("/proc/self/fd"):
-        fd = int(name)
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if not link.startswith("socket:"):
-            continue
-        try:
-            probe = socket.socket(fileno=os.dup(fd))
-        except OSError:
-            continue
-        try:
-            out[fd] = (link, probe.getsockname(), probe.getpeername())
-        except OSError:
-            pass  # a listening or unconnected socket: gloo crashes if its listener is shut down
-        finally:
-            probe.close()
-    return out
 
 
 class _Transport:
@@ -212,20 +174,14 @@ class _Transport:
         self.inner = inner
         self.group = dist.ProcessGroup(store, rank, size)
         self.gloo: Any = None
-        self.sockets: dict[int, str] = {}
+        self.endpoints = gloo_sockets.Endpoints()
+        """The listeners gloo's rendezvous wrote and read: how this transport's sockets are told apart."""
         if inner.uses_gloo:
-            with socket_creation_lock:
-                before = _connected_sockets()
-                self.gloo = ProcessGroupGloo(store, rank, size, connect_timeout)
-                after = _connected_sockets()
+            # Kept for the group's life: a lazily connected gloo group reads peers' records from it long after it
+            # was built, and c10d reaches a store written in Python only while its Python object lives.
+            self.rendezvous_store = gloo_sockets.EndpointNotingStore(store, self.endpoints)
+            self.gloo = ProcessGroupGloo(self.rendezvous_store, rank, size, connect_timeout)
             self.gloo._set_default_timeout(op_timeout)
-            self.sockets = {
-                fd: link
-                for fd, (link, local, peer) in after.items()
-                if before.get(fd, (None,))[0] != link
-                and peer[1] not in _not_gloo_peer_ports
-                and local[1] not in _not_gloo_local_ports
-            }
         self.nccl: Any = None
         if inner.cuda == "nccl":
             self.nccl = nccl_transport.connect(dist.PrefixStore("nccl/", store), rank, size, op_timeout, name, global_ranks)
@@ -249,32 +205,19 @@ class _Transport:
             return getattr(self.group, name)(*args)
         return self.pending.run(lambda: getattr(self.group, name)(*args), device)
 
-    def release(self, reason: str, *, nccl_aborted: bool = False) -> int:
+    def release(self, reason: str, *, nccl_aborted: bool = False, connections: list[gloo_sockets.Connection] | None = None) -> int:
         """Abort its NCCL communicator (unless the caller aborted it with others), shut down gloo's
-        sockets and fail gloo's pending collectives; returns the sockets shut down."""
+        sockets and fail gloo's pending collectives; returns the sockets shut down.
+
+        ``connections``: the process's connected sockets, listed once for all the groups a caller releases.
+        """
         if self.nccl is not None and not nccl_aborted and not self.released:
             nccl_transport.abort_together([self.nccl])
         self.released = True
-        count = self._shut_down_sockets()
-        self.pending.abandon(reason)
-        return count
-
-    def _shut_down_sockets(self) -> int:
         count = 0
-        for fd, link in self.sockets.items():
-            try:
-                if os.readlink(f"/proc/self/fd/{fd}") != link:
-                    continue  # closed and the fd reused: not ours any more
-                probe = socket.socket(fileno=os.dup(fd))
-            except OSError:
-                continue
-            try:
-                probe.shutdown(socket.SHUT_RDWR)
-                count += 1
-            except OSError:
-                pass  # already shut down by the peer
-            finally:
-                probe.close()
+        if self.gloo is not None:
+            count = gloo_sockets.shut_down(gloo_sockets.connected() if connections is None else connections, self.endpoints)
+        self.pending.abandon(reason)
         return count
 
 
@@ -469,12 +412,15 @@ class RebuildableProcessGroup(dist.ProcessGroup):
                 self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, fake)
             self._set_default_backend(dist.ProcessGroup.BackendType.CUSTOM)
 
-    def release(self, *, nccl_aborted: bool = False) -> int:
-        """Unblock any pending collective on the current transport; safe from any thread."""
+    def release(self, *, nccl_aborted: bool = False, connections: list[gloo_sockets.Connection] | None = None) -> int:
+        """Unblock any pending collective on the current transport; safe from any thread.
+
+        ``connections``: the process's connected sockets, when the caller lists them once for several groups.
+        """
         transport = self._transport
         if transport is None or transport.released:
             return 0
-        return transport.release(f"generation {self.generation} ended", nccl_aborted=nccl_aborted)
+        return transport.release(f"generation {self.generation} ended", nccl_aborted=nccl_aborted, connections=connections)
 
     def script_broadcasts(self, payloads: Sequence[torch.Tensor]) -> None:
         """In local mode, make the next broadcasts deliver ``payloads`` as if sent by the root.
@@ -735,7 +681,8 @@ def release_generation(generation: int) -> int:
     ending = [g for g in groups() if g.generation <= generation]
     # Every NCCL communicator of the generation in one group call: one by one can deadlock (nccl_transport).
     nccl_transport.abort_together([t.nccl for g in ending if (t := g._transport) is not None and t.nccl is not None and not t.released])
-    return sum(g.release(nccl_aborted=True) for g in ending)
+    connections = gloo_sockets.connected()
+    return sum(g.release(nccl_aborted=True, connections=connections) for g in ending)
 
 
 DEVICE_COPY_SETTLE_S = 0.2

@@ -238,21 +238,13 @@ class StoreAddress:
     node 0's TCPStore, which only the workers' set-up uses (``init_process_group``'s default store)."""
 
     def connect(self, timeout: float = 300.0) -> SignedStore:
-        """A client connection (one per thread: clients are not thread-safe), sealing and opening every value.
-
-        Created under the socket-creation lock so a concurrent rebuild never mistakes
-        this socket for one of its gloo connections (an etcd client's connections are
-        told apart by their peer port: ``comms.exclude_ports``).
-        """
-        from .comms import socket_creation_lock
-
+        """A client connection (one per thread: clients are not thread-safe), sealing and opening every value."""
         if self.etcd is not None:
             from .etcd_store import EtcdStore, parse_etcd_url
 
             base: dist.Store = EtcdStore(parse_etcd_url(self.etcd), timedelta(seconds=timeout))
         else:
-            with socket_creation_lock:
-                base = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
+            base = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=timeout), wait_for_workers=False)
         return signed(base, self.secret, timedelta(seconds=timeout))
 
     def describe(self) -> str:

@@ -1,37 +1,51 @@
 """The store a generation's gloo rendezvous waits on, which gives up when the generation is released.
 
-Building a generation's gloo group (``ProcessGroupGloo``'s constructor) blocks
-in store waits for every peer's address, up to the connect timeout
-(``rebuild_timeout_s``, 120 s). A member that dies between the controller's
-``go`` and its own address write leaves every other member waiting there; the
-generation's end, which releases sockets and pending collectives, does not
-reach a wait inside a constructor, and survivors would miss the controller's
-report deadline and be fenced. c10d calls a ``dist.Store`` written in Python
-through its trampoline, so this one waits in short slices and raises, naming
-the reason, as soon as ``released()`` says the generation is over: the
-constructor fails, the rebuild fails like any collective of a dead generation,
-and the member reports again.
+A gloo group's rendezvous waits in the store for its peers' addresses, up to
+the connect timeout (``rebuild_timeout_s``, 120 s): in the group's constructor
+when gloo connects the full mesh up front, in the first collective that needs
+a peer when it connects lazily (below). A member that dies between the
+controller's ``go`` and its own address write leaves every other member
+waiting there; the generation's end, which releases sockets and pending
+collectives, does not reach a wait inside a constructor or a store read on
+gloo's thread, and survivors would miss the controller's report deadline and
+be fenced. c10d calls a ``dist.Store`` written in Python through its
+trampoline, so this one waits in short slices and raises, naming the reason,
+as soon as ``released()`` says the generation is over: the constructor or the
+collective fails like any collective of a dead generation, and the member
+reports again.
 
 Waiting costs nothing on the normal path: a slice is a server-side wait that
 returns as soon as the key is written. Only a stuck rendezvous pays, with one
 c10d warning line per slice.
 
-Gloo reads every peer's address record as a wait followed by a get (through
-c10d's trampoline it cannot batch them with ``multi_get``), so a group of N
-costs each member O(N) store requests. Two things keep that cost down:
+Each member writes one address record per group. How many it reads is
+gloo's choice:
 
-* A key a wait saw present is read directly, without probing it again: keys
-  under a generation's prefix are written once and never removed while it is
-  built.
-* Each record is O(1) bytes, not O(N): by default gloo's record carries one
-  8-byte pair identifier per rank of the group (so each member reads O(N^2)
-  bytes, 2 GB at 16,384 ranks), and with ``GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER``
-  it carries none, a peer's rank identifying its connection instead.
-  :func:`worker_environment` turns that on for every worker and spare. It is
-  sound because ranks are unique within a gloo context and every
-  ``ProcessGroupGloo`` (torchpass's rebuilt transports and groups torch builds
-  alike) listens on a device of its own, and it must be the same on every
-  member of a group, which one launcher's environment gives.
+* By default gloo connects the full mesh while the group is built: each
+  member waits for and reads every peer's record, O(N) store requests per
+  member and O(N^2) for the store (a wait and a get each, through c10d's
+  trampoline it cannot batch them with ``multi_get``).
+* With ``TORCH_GLOO_LAZY_INIT`` it connects a pair the first time a
+  collective needs it and reads that peer's record then, on its worker
+  thread. A ring allreduce needs two peers and the dissemination barrier the
+  migration runs after the rebuild 2 log2 N, so a member reads O(log N)
+  records: 28 of 16,384. The wait for a peer moves from the constructor into
+  the first collective, where it ends the same way, with the generation.
+
+:func:`worker_environment` turns the lazy mode on for every worker and spare,
+unless the user set it. A key a wait saw present is read directly, without
+probing it again: keys under a generation's prefix are written once and never
+removed while it is built.
+
+Each record is O(1) bytes, not O(N): by default gloo's record carries one
+8-byte pair identifier per rank of the group (2 GB read by each member of a
+full mesh at 16,384 ranks); in the lazy mode, or with
+``GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER``, it carries none, a peer's rank
+identifying its connection instead. :func:`worker_environment` turns that on
+too. It is sound because ranks are unique within a gloo context and every
+``ProcessGroupGloo`` (torchpass's rebuilt transports and groups torch builds
+alike) listens on a device of its own, and it must be the same on every
+member of a group, which one launcher's environment gives.
 """
 
 from __future__ import annotations
@@ -45,15 +59,18 @@ import torch.distributed as dist
 
 from .failures import ABANDONED_MARKER
 
-__all__ = ["InterruptibleStore", "RANK_AS_SEQUENCE_ENV", "WAIT_SLICE_S", "worker_environment"]
+__all__ = ["InterruptibleStore", "LAZY_CONNECT_ENV", "RANK_AS_SEQUENCE_ENV", "WAIT_SLICE_S", "worker_environment"]
 
 RANK_AS_SEQUENCE_ENV = "GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"
 """gloo's switch for address records without per-pair identifiers (read by gloo at every rendezvous)."""
+LAZY_CONNECT_ENV = "TORCH_GLOO_LAZY_INIT"
+"""c10d's switch for gloo groups that connect each pair on its first use (read whenever a group is built)."""
 
 
 def worker_environment(env: Mapping[str, str]) -> dict[str, str]:
-    """What a worker's environment needs for O(1)-byte gloo address records: added only where unset."""
-    return {} if RANK_AS_SEQUENCE_ENV in env else {RANK_AS_SEQUENCE_ENV: "1"}
+    """What a worker's environment needs for a gloo rendezvous of O(log N) records of O(1) bytes each:
+    added only where unset (a user who wants the full mesh built up front sets ``TORCH_GLOO_LAZY_INIT=0``)."""
+    return {name: "1" for name in (RANK_AS_SEQUENCE_ENV, LAZY_CONNECT_ENV) if name not in env}
 
 
 WAIT_SLICE_S = 0.5

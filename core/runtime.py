@@ -62,7 +62,6 @@ from .control import Keys, Mailbox, Plan, Report, StoreAddress, WorkerRecord, ge
 from .controller_answers import UNTIL_ANSWERED, ControllerAnswers
 from .critical_path import CriticalPathTimers
 from .data import ReplayableData
-from .etcd_store import parse_etcd_url
 from .failures import is_comm_error
 from .generation_monitor import GenerationMonitor
 from .liveness import STORE_LOST_EXIT, Heartbeater, StoreWatchdog
@@ -137,10 +136,6 @@ class Runtime:
             hold_into=lambda src, manifest: self._holder().hold_into(src, manifest),
             on_held=lambda src, captured: self._holder().on_held(src, captured),
         )
-        comms.exclude_ports(peer=self.store_port, local=self.server.address[1])
-        if self.store_address.etcd is not None:
-            for _, etcd_port in parse_etcd_url(self.store_address.etcd).endpoints:
-                comms.exclude_ports(peer=etcd_port)
         self._attached = False
         self._chaos = chaos_trigger(self._config.chaos, self.rank, self.role, self.monitor.ending)
         self._register()

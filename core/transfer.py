@@ -50,7 +50,6 @@ import torch
 
 from . import handshake, safe_pickle
 from .checksum import CHUNK_BYTES, Chunk, Crc, CrcTable, chunk_grid
-from .comms import socket_creation_lock
 from .manifest import Captured, Manifest, TensorEntry, fingerprint, tensor_bytes
 
 __all__ = ["Address", "HolderLink", "ReceivePool", "Source", "StateServer", "TransferError", "TransferStats", "fetch_state"]
@@ -273,8 +272,7 @@ class StateServer:
         hold_into: Callable[[int, Manifest], list[torch.Tensor]] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
     ):
-        with socket_creation_lock:
-            self._listener = socket.create_server((host, 0), backlog=64)
+        self._listener = socket.create_server((host, 0), backlog=64)
         self.address: Address = (host, self._listener.getsockname()[1])
         self._copies: dict[tuple[str, int], Captured] = {}
         """Published copies, each with its CRC table."""
@@ -401,8 +399,7 @@ class StateServer:
 
 class _SourceConnection:
     def __init__(self, address: Address, timeout: float, secret: bytes):
-        with socket_creation_lock:
-            self.sock = socket.create_connection(address, timeout=timeout)
+        self.sock = socket.create_connection(address, timeout=timeout)
         _tune(self.sock, timeout)
         self.address = address
         try:

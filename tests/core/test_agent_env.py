@@ -28,6 +28,7 @@ def test_a_worker_sees_what_torchrun_gives_it(tmp_path: Path) -> None:
     }  # fmt: skip
     assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0"  # torchpass aborts NCCL itself (core/nccl_transport.py)
     assert env["GLOO_ENABLE_RANK_AS_SEQUENCE_NUMBER"] == "1"  # O(1)-byte gloo address records (core/rendezvous_store.py)
+    assert env["TORCH_GLOO_LAZY_INIT"] == "1"  # a gloo rendezvous of O(log N) records (core/rendezvous_store.py)
 
 
 def test_a_spare_owns_the_slot_after_the_workers_and_keeps_it_as_a_rank(tmp_path: Path, monkeypatch) -> None:
