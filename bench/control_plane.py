@@ -22,12 +22,15 @@ Measured per size, for one SIGKILLed rank replaced by a spare:
 * what a member does after ``go`` before its first step, each part run for real
   against the same store through the same layers a worker uses (sealed values,
   prefixes, the rendezvous store that gives up with its generation), by sample ranks:
-  the rendezvous of the rebuilt group (``comms.rebuild_all``: gloo writes the rank's
-  address record and reads every peer's, in order, exactly as
-  ``ProcessGroupGloo`` does, record sizes included; measured over the first
-  ``RENDEZVOUS_SAMPLE`` peers and scaled to the group, the loop being the same for
-  every peer), and the buddy routing (``BuddyRouting.target``: the plan and the
-  target's address record); their store operations per rank and their time.
+  the rendezvous of the rebuilt group (``comms.rebuild_all``, then the barrier
+  ``Migration._go_live`` runs: gloo connects each pair lazily in the workers'
+  environment, so a member writes its address record, at gloo's size, and reads the
+  records of the peers the dissemination barrier needs, in gloo's order:
+  :func:`barrier_peers`, 2 log2 N of them; the first step's ring allreduce needs
+  rank +- 1, already among them), and the buddy routing (``BuddyRouting.target``:
+  the plan and the target's address record); their store operations per rank and
+  their time. Connecting the sockets is the network's part, not the store's, and
+  is left out.
 
 The critical path adds the controller's time until it writes ``end``, the
 plan and ``go`` to one member's rendezvous and routing after ``go``. The
@@ -61,7 +64,7 @@ from torchpass.core.buddy_routing import BuddyRouting
 from torchpass.core.config import TorchPassConfig
 from torchpass.core.control import MIRROR_SLOTS, Heartbeat, Keys, Mailbox, Ready, Report, Status, signed
 from torchpass.core.controller import Controller, JobSpec
-from torchpass.core.rendezvous_store import RANK_AS_SEQUENCE_ENV, InterruptibleStore, worker_environment
+from torchpass.core.rendezvous_store import LAZY_CONNECT_ENV, RANK_AS_SEQUENCE_ENV, InterruptibleStore, worker_environment
 from torchpass.core.rng import capture_rng
 from torchpass.core.signed_store import SignedStore
 from torchpass.core.topology import ddp_layout, layout_to_dict
@@ -74,8 +77,6 @@ WORKER_OPS = {"status": 2, "plan": 2, "ready": 2, "go": 2, "done": 2}
 """Store operations one surviving worker issues per migration (``Runtime.recover``): write + count, wait + read, ..."""
 ROUTING_SAMPLE = 8
 """Members whose buddy routing is run for real (the replaced rank and others spread over the job)."""
-RENDEZVOUS_SAMPLE = 512
-"""Peers whose address records one member reads for real in the rendezvous (the rest of the loop is the same)."""
 WORLD_GROUP = "0"
 """The default group's name, as c10d names it: the group the data-parallel job rebuilds."""
 BATCH_BYTES = 64 << 10
@@ -215,10 +216,25 @@ class _Holdings:
 def gloo_record_bytes(size: int, env: Mapping[str, str]) -> int:
     """Bytes of the address record a rank of a ``size``-rank gloo group writes (gloo's tcp ``Rank``): the host name
     and the device's socket address (``sockaddr_storage`` and a sequence number), each after its length, then one
-    8-byte pair identifier per rank of the group, unless ``env`` has gloo use ranks as sequence numbers (a worker
-    of ``torchpass launch`` does: ``rendezvous_store.worker_environment``)."""
-    per_rank = 0 if env.get(RANK_AS_SEQUENCE_ENV) in ("1", "True") else 8
+    8-byte pair identifier per rank of the group, unless ``env`` has gloo use ranks as sequence numbers or connect
+    lazily (a worker of ``torchpass launch`` does both: ``rendezvous_store.worker_environment``)."""
+    on = ("1", "true", "True")
+    per_rank = 0 if env.get(RANK_AS_SEQUENCE_ENV) in on or env.get(LAZY_CONNECT_ENV) in on else 8
     return 8 + len(socket.gethostname()) + 8 + 136 + per_rank * size
+
+
+def barrier_peers(rank: int, size: int) -> list[int]:
+    """The peers whose address records ``rank`` of a lazily connected gloo group reads for a barrier, in gloo's
+    order: ``gloo::barrier`` is a dissemination barrier, receiving from the rank ``d`` below and sending to the
+    rank ``d`` above for ``d`` = 1, 2, 4, ... below ``size``."""
+    peers: list[int] = []
+    d = 1
+    while d < size:
+        for peer in ((rank - d) % size, (rank + d) % size):
+            if peer != rank and peer not in peers:
+                peers.append(peer)
+        d <<= 1
+    return peers
 
 
 def rendezvous_store(store: SignedStore, generation: int) -> dist.Store:
@@ -237,26 +253,23 @@ def measure_rendezvous(
 ) -> tuple[int, float]:
     """One member's rendezvous of the world group rebuilt for ``generation``: (store operations, seconds).
 
-    As ``ProcessGroupGloo`` does it: write the rank's record, then wait for and read
-    every rank's record in rank order (its own included). The first
-    ``RENDEZVOUS_SAMPLE`` records are read and the cost is scaled to the group.
+    As a lazily connected ``ProcessGroupGloo`` does it: write the rank's record when
+    the group is built, then read each peer's record the first time the barrier
+    after the rebuild needs it (a wait and a get, on gloo's thread).
     """
     record = bytes(gloo_record_bytes(size, {**os.environ, **worker_environment(os.environ)}))
-    peers = min(size, RENDEZVOUS_SAMPLE)
+    peers = barrier_peers(rank, size)
     others = rendezvous_store(writer, generation)
-    for r in range(peers):
-        if r != rank:
-            others.set(rendezvous_key(r), record)  # the other members' writes: not this member's cost
+    for r in peers:
+        others.set(rendezvous_key(r), record)  # the other members' writes: not this member's cost
     store = rendezvous_store(member, generation)
     counting.ops = 0
     t0 = time.perf_counter()
     store.set(rendezvous_key(rank), record)
-    set_ops, t1 = counting.ops, time.perf_counter()
-    for r in range(peers):
+    for r in peers:
         store.wait([rendezvous_key(r)])
         store.get(rendezvous_key(r))
-    scale = size / peers
-    return set_ops + round((counting.ops - set_ops) * scale), (t1 - t0) + (time.perf_counter() - t1) * scale
+    return counting.ops, time.perf_counter() - t0
 
 
 def measure_routing(member: SignedStore, counting: CountingStore, size: int, generation: int, replaced: int) -> tuple[int, float]:
