@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import weakref
 from datetime import timedelta
 from functools import partial
@@ -27,6 +28,10 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from torchpass.core.failures import ABANDONED_MARKER, is_comm_error
 from torchpass.core.pending_work import PendingWork
 from tests.support.harness import free_port
+
+
+FREED_WITHIN_S = 5.0
+"""How long a collective's tensor may take to be freed after its work completed (gloo's thread lets go of it)."""
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +72,20 @@ def test_a_collective_completes_with_gloos_result(gloo):
 
 
 def _allreduce_of_a_fresh_tensor(pending: PendingWork, gloo: ProcessGroupGloo) -> tuple[Any, Callable[[], bool]]:
-    """A collective on a tensor only its gloo work holds, and whether that tensor's memory was freed since."""
+    """A collective on a tensor only its gloo work holds, and whether that tensor's memory was freed since.
+
+    gloo's worker thread completes the work's future before it drops its own reference to the work, so
+    "freed" is given a moment (a tensor something still holds is never freed, however long the wait)."""
     t = torch.ones(1024)
     ref = weakref.ref(t.untyped_storage())
-    return pending.run(partial(gloo.allreduce, [t])), lambda: gc.collect() >= 0 and ref() is None
+
+    def freed() -> bool:
+        deadline = time.monotonic() + FREED_WITHIN_S
+        while gc.collect() >= 0 and ref() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return ref() is None
+
+    return pending.run(partial(gloo.allreduce, [t])), freed
 
 
 def test_a_waited_collective_keeps_no_tensor_alive(gloo):
