@@ -127,9 +127,9 @@ class Inputs:
     """Measured: the controller's critical path (failure to go) against a real TCPStore with N simulated
     ranks (bench/control_plane.py, docs/benchmarks.md; its controller part: the gloo rendezvous it also measures is
     this model's NCCL init); added on top of report_and_plan_s."""
-    spare_setup_s: float = 4.69
+    spare_setup_s: float = 1.37
     """Measured: the spare runs the script's set-up after its assignment; the largest measured, Megatron-LM
-    DP 2 x 2 instances (docs/adapters/megatron.md; 0.3-0.8 s for DDP, DeepSpeed, TorchTitan). CPU, small models."""
+    DP 2 x 2 instances (docs/adapters/megatron.md; 0.06-0.25 s for DDP, DeepSpeed, TorchTitan: docs/performance.md's runs). CPU, small models."""
     transfer_efficiency: float = 0.34
     """Measured: torchpass's fetch rate over the raw link it ran on (0.90 GB/s against 2.65 GB/s loopback TCP,
     docs/benchmarks.md); applied to one 400 Gb/s NIC. Whether the TCP path keeps it over InfiniBand is
