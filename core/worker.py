@@ -37,7 +37,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-from . import comms, devices, integrations, liveness, runtime
+from . import comms, devices, integrations, liveness, rng, runtime
 
 __all__ = ["main"]
 
@@ -145,6 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     if rt.role == "spare":
         devices.warm_spare(int(os.environ["LOCAL_RANK"]))
         _preload(target, is_module)
+        # Its first call proves NumPy's state layout (core/rng.py): ~1-11 ms, while waiting.
+        rng.capture_rng()
         _freeze_preloaded()
         _become_rank(rt.wait_for_assignment())
         comms.set_local_mode_default(True)
