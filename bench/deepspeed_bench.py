@@ -16,7 +16,12 @@ launch`` runs with the block enabled (buddy redundancy on, as "auto" selects
 for sharded ZeRO state) alternate; the steady-state step time is the median
 over all rounds after the warm-up steps. On a shared machine other jobs' load
 swings step times by more than the overhead being measured, so the 10th
-percentile (the steps least disturbed) is reported next to the median. Then one ``torchpass launch`` run is
+percentile (the steps least disturbed) is reported next to the median. The
+step period is also reported over the steps each pair ran after the
+``torchpass`` run's spare was ready: until then the spare imports what the
+script imports (once per job, seconds of CPU), which on a machine with fewer
+cores than processes slows the steps it overlaps; from then on what remains is
+the per-step cost. Then one ``torchpass launch`` run is
 killed mid-training (rank 1 SIGKILLed) and the ledger gives the recovery's
 phase timings and the bytes moved. Results go to ``bench/out/deepspeed.json``
 and a Markdown table on stdout.
@@ -90,7 +95,8 @@ def worker(args: argparse.Namespace) -> None:
     times = open(args.times, "a", buffering=1)
 
     def record(number: int, seconds: float) -> None:
-        times.write(json.dumps({"step": number, "seconds": seconds, "rank": int(os.environ["RANK"]), "at": time.monotonic()}) + "\n")
+        at = {"at": time.monotonic(), "wall": time.time()}  # wall: to compare with the launcher's timeline
+        times.write(json.dumps({"step": number, "seconds": seconds, "rank": int(os.environ["RANK"]), **at}) + "\n")
 
     model = Regression()
     if args.loop == "trainer":
@@ -166,6 +172,7 @@ def run_job(kind: str, work: Path, zero: int, loop: str, args: argparse.Namespac
     from torchpass.core.critical_path import read_summaries
     from torchpass.core.inject import inject
     from torchpass.core.ledger import read_ledger
+    from torchpass.core.timeline import read_timeline
 
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
@@ -196,22 +203,39 @@ def run_job(kind: str, work: Path, zero: int, loop: str, args: argparse.Namespac
         "wall_s": time.time() - t0,
         "step_s": [r["seconds"] for r in records if r["step"] > WARMUP_STEPS],
         "period_s": _periods(records),
+        "records": records,
     }
     if kind == "torchpass":
+        out["first_warm_step"] = _first_step_after_spares_ready(records, read_timeline(work / "run"))
         out["migrations"] = [e for e in read_ledger(work / "run") if e["type"] == "migration"]
         out["critical_path"] = [asdict(s) for s in read_summaries(work / "run")]
     return out
 
 
-def _periods(records: list[dict]) -> list[float]:
-    """Each rank's time from one step's end to the next's (all of the step: the loop's and torchpass's hooks too)."""
+def _first_step_after_spares_ready(records: list[dict], timeline: list[dict]) -> int | None:
+    """The first step every rank began after the launcher's timeline first showed a spare ready; None if never.
+
+    A spare imports what the script imports while the job trains (seconds of CPU, once per job): on a
+    machine with fewer cores than processes those steps pay for it. Steps from here on pay only the
+    per-step cost. The timeline samples once a second, so the step found is at most a second late.
+    """
+    ready = next((row["t"] for row in timeline if sum(row["spares_free"].values()) > 0), None)
+    if ready is None:
+        return None
+    started_before = [r["step"] for r in records if r["wall"] - r["seconds"] < ready]
+    return max(started_before, default=0) + 1
+
+
+def _periods(records: list[dict], from_step: int = WARMUP_STEPS + 1) -> list[float]:
+    """Each rank's time from one step's end to the next's (all of the step: the loop's and torchpass's hooks too),
+    for the periods that end at steps after ``from_step``."""
     by_rank: dict[int, list[dict]] = {}
     for r in records:
         by_rank.setdefault(r["rank"], []).append(r)
     periods = []
     for mine in by_rank.values():
         mine.sort(key=lambda r: r["step"])
-        periods += [b["at"] - a["at"] for a, b in zip(mine, mine[1:]) if a["step"] > WARMUP_STEPS and b["step"] == a["step"] + 1]
+        periods += [b["at"] - a["at"] for a, b in zip(mine, mine[1:]) if a["step"] >= from_step and b["step"] == a["step"] + 1]
     return periods
 
 
@@ -219,16 +243,26 @@ def bench_stage(zero: int, loop: str, args: argparse.Namespace, scratch: Path) -
     per_round: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
     samples: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
     periods: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
+    warm: dict[str, list[float]] = {"torchrun": [], "torchpass": []}
+    first_warm: list[int | None] = []
     critical: list[dict] = []
     for r in range(args.rounds):
+        results = {}
         for kind in ("torchrun", "torchpass"):
-            result = run_job(kind, scratch / f"{loop}-zero{zero}-{kind}-{r}", zero, loop, args)
+            result = results[kind] = run_job(kind, scratch / f"{loop}-zero{zero}-{kind}-{r}", zero, loop, args)
             samples[kind] += result["step_s"]
             periods[kind] += result["period_s"]
             per_round[kind].append(statistics.median(result["step_s"]))
             critical += result.get("critical_path", [])
+        # The pair's same steps, those the torchpass run began with its spare ready.
+        first = results["torchpass"]["first_warm_step"]
+        first_warm.append(first)
+        if first is not None:
+            for kind, result in results.items():
+                warm[kind] += _periods(result["records"], max(first, WARMUP_STEPS + 1))
     median = {kind: statistics.median(values) for kind, values in samples.items()}
     period = {kind: statistics.median(values) for kind, values in periods.items()}
+    warm_period = {kind: statistics.median(values) for kind, values in warm.items() if values}
     p10 = {kind: statistics.quantiles(values, n=10)[0] for kind, values in samples.items()}
     recovery: dict[str, Any] = {"timings": {}, "bytes_moved": 0, "steps_lost": 0, "target_step": None, "sources": None}
     if not args.no_kill:
@@ -243,12 +277,20 @@ def bench_stage(zero: int, loop: str, args: argparse.Namespace, scratch: Path) -
         "ratio_p10": p10["torchpass"] / p10["torchrun"],
         "median_period_s": period,
         "period_ratio": period["torchpass"] / period["torchrun"],
+        "first_step_spares_ready": first_warm,
+        "warm_periods": {kind: len(values) for kind, values in warm.items()},
+        "median_period_s_warm": warm_period,
+        "period_ratio_warm": warm_period["torchpass"] / warm_period["torchrun"] if len(warm_period) == 2 else None,
         "critical_path_us": statistics.mean(c["total_us"] for c in critical),
         "critical_path_fraction": statistics.mean(c["fraction"] for c in critical),
         "critical_path_sections_us": {k: statistics.mean(c["per_step_us"][k] for c in critical) for k in critical[0]["per_step_us"]},
         "buddy": [c["extra"].get("buddy") for c in critical],
         "recovery": recovery,
     }
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main() -> None:
@@ -282,7 +324,7 @@ def main() -> None:
             args.out.write_text(json.dumps(results, indent=1))
     shutil.rmtree(scratch, ignore_errors=True)
     print("| loop, ZeRO | torchrun step ms (median / p10) | torchpass + block step ms (median / p10) | ratio (median / p10) "
-          "| period ratio (median) | torchpass on the training thread, us/step (% of step) "
+          "| period ratio (median; from the step the spare was ready) | torchpass on the training thread, us/step (% of step) "
           "| recovery total (s) | detect | spare_setup | transfer | rebuild | resume | bytes moved | steps lost |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name, stage in results["runs"].items():
@@ -290,7 +332,7 @@ def main() -> None:
         print(
             f"| {name} | {stage['median_step_s']['torchrun'] * 1e3:.1f} / {stage['p10_step_s']['torchrun'] * 1e3:.1f} | "
             f"{stage['median_step_s']['torchpass'] * 1e3:.1f} / {stage['p10_step_s']['torchpass'] * 1e3:.1f} | "
-            f"{stage['ratio']:.3f} / {stage['ratio_p10']:.3f} | {stage['period_ratio']:.3f} | "
+            f"{stage['ratio']:.3f} / {stage['ratio_p10']:.3f} | {stage['period_ratio']:.3f}; {_ratio(stage['period_ratio_warm'])} | "
             f"{stage['critical_path_us']:.0f} ({stage['critical_path_fraction']:.2%}) | {t.get('total', 0):.2f} | {t.get('detect', 0):.2f} | {t.get('spare_setup', 0):.2f} | "
             f"{t.get('transfer', 0):.2f} | {t.get('rebuild', 0):.2f} | {t.get('resume', 0):.2f} | "
             f"{stage['recovery']['bytes_moved']} | {stage['recovery']['steps_lost']} |"

@@ -3,7 +3,7 @@
 Run the benchmarks first (one after another, nothing else on the machine), then this:
 
     python bench/deepspeed_bench.py --nproc 4 --width 128 --depth 2 --loops tutorial --stages 0,1 \\
-        --rounds 4 --steps 200 --no-kill --out bench/out/step_cost.json
+        --rounds 3 --steps 500 --no-kill --out bench/out/step_cost.json
     python bench/deepspeed_bench.py --stages 1,2,3 --out bench/out/deepspeed.json
     python bench/torchtitan_bench.py --layouts fsdp --out bench/out/torchtitan.json
     python bench/core_bench.py
@@ -56,13 +56,25 @@ def step_cost_rows(step_cost: dict | None) -> list[Row]:
         if run is None:
             rows.append(Row(f"1. fixed per-step cost, ZeRO-{zero}", f"<= {bound} x", "-", None))
             continue
-        period = run["median_period_s"]
+        period, warm = run["median_period_s"], run.get("median_period_s_warm") or {}
+        whole = f"{period['torchpass'] * 1e3:.1f} ms vs {period['torchrun'] * 1e3:.1f} ms: {run['period_ratio']:.3f} x"
+        if len(warm) == 2:
+            # The per-step cost is what the steps cost once the spare's one-off preload is done; the whole
+            # run's ratio, which includes it, is shown beside it.
+            ready = ", ".join(str(s) for s in run["first_step_spares_ready"])
+            measured = (
+                f"from the step the spare was ready ({ready}): {warm['torchpass'] * 1e3:.1f} ms vs "
+                f"{warm['torchrun'] * 1e3:.1f} ms, {run['period_ratio_warm']:.3f} x; all steps: {whole}"
+            )
+            met = run["period_ratio_warm"] <= bound
+        else:
+            measured, met = f"{whole} (no step ran with the spare ready)", run["period_ratio"] <= bound
         rows.append(
             Row(
                 f"1. fixed per-step cost, ZeRO-{zero} (small job: 4 ranks, {step_cost['steps']} steps, {step_cost['rounds']} pairs)",
                 f"<= {bound} x",
-                f"{period['torchpass'] * 1e3:.1f} ms vs {period['torchrun'] * 1e3:.1f} ms: {run['period_ratio']:.3f} x",
-                run["period_ratio"] <= bound,
+                measured,
+                met,
             )
         )
         rows.append(
