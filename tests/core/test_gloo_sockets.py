@@ -88,6 +88,9 @@ _RANK = textwrap.dedent(
     noting = EndpointNotingStore(dist.PrefixStore("g/", store), endpoints)
     group = ProcessGroupGloo(noting, rank, size, timedelta(seconds=60))
     built = connected()
+    # Every rank looks before any connects: a peer's first collective connects to this rank's listener.
+    store.set(f"built/{rank}", "1")
+    store.wait([f"built/{r}" for r in range(size)])
     group.allreduce([torch.ones(4)]).wait()
     after = connected()
     out = {
