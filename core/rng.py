@@ -10,12 +10,14 @@ serialized once per step off it, so every stream is kept as plain bytes:
 pickling 625 Python ints costs ~10x more than their bytes, and a torch tensor
 ~5x more than its bytes (50 us against 10 us for the 5 KB CPU generator).
 
-NumPy's global generator is read from memory where that is proven exact: its
-legacy ``get_state`` copies the 624-word key one element at a time in a
-Python-level loop (88 us of a 151 us capture on this machine, and it runs twice
-per step), while the words lie contiguous in the bit generator's C state. The
-layout is checked once per process against ``get_state`` on a private
-generator (:func:`_numpy_layout`); where any check fails, ``get_state`` is used.
+Python's and NumPy's global generators are read from memory where that is
+proven exact. Their own accessors build the 624-word Mersenne-Twister key one
+element at a time: NumPy's legacy ``get_state`` in a Python-level loop (88 us of
+a 151 us capture on this machine), Python's ``getstate`` as a tuple of 625 ints
+(19 us), and a capture runs twice per step. In both the words lie contiguous in
+the generator's C state. Each layout is checked once per process against the
+accessor on a private generator (:func:`_numpy_layout`, :func:`_python_layout`);
+where any check fails, the accessor is used.
 
 CUDA: only the generator of the *current* device travels. A spare that takes
 over rank r runs on its own GPU (see :mod:`torchpass.core.devices`), so the
@@ -25,6 +27,7 @@ framework selected with ``set_device``, not on rank r's device index.
 
 from __future__ import annotations
 
+import _random
 import array
 import ctypes
 import functools
@@ -43,15 +46,48 @@ __all__ = ["capture_rng", "restore_rng", "rng_digest"]
 
 def capture_rng() -> dict[str, Any]:
     """The state of every global generator (a few KB of plain bytes; copies, safe to keep)."""
-    version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
-        "python": (version, _python_words(internal), gauss),
+        "python": _python_state(random.getstate.__self__),
         "numpy": _numpy_state(np.random.mtrand._rand),
         "torch": torch.get_rng_state().numpy().tobytes(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state().numpy().tobytes()
     return state
+
+
+def _python_state(generator: random.Random) -> tuple[int, bytes, float | None]:
+    """``generator.getstate()`` with the words as bytes (``array("Q")`` of key then index): read from memory
+    when :func:`_python_layout` proved it exact."""
+    offset = _python_layout()
+    if offset is None or type(generator) is not random.Random:
+        version, internal, gauss = generator.getstate()
+        return version, _python_words(internal), gauss
+    raw = ctypes.string_at(id(generator) + offset, 4 + _MT_WORDS * 4)
+    words = np.empty(_MT_WORDS + 1, dtype=np.uint64)
+    words[:_MT_WORDS] = np.frombuffer(raw, dtype=np.uint32, count=_MT_WORDS, offset=4)
+    words[_MT_WORDS] = struct.unpack_from("i", raw)[0]
+    return generator.VERSION, words.tobytes(), generator.gauss_next
+
+
+@functools.cache
+def _python_layout() -> int | None:
+    """Offset in a ``random.Random`` of CPython's ``int index`` (the key's 624 words follow it), proven
+    against ``getstate`` on a private generator in several states; None if unproven."""
+    probe = random.Random(20261207)
+    size = _random.Random.__basicsize__
+    internal = probe.getstate()[1]
+    found = ctypes.string_at(id(probe), size).find(struct.pack(f"{_MT_WORDS}I", *internal[:_MT_WORDS]))
+    if found < 4 or found + _MT_WORDS * 4 > size:
+        return None
+    offset = found - 4
+    for move in (lambda: probe.random(), lambda: probe.getrandbits(32 * 700), lambda: probe.seed(7), lambda: probe.gauss(0, 1)):
+        move()
+        version, internal, gauss = probe.getstate()
+        raw = ctypes.string_at(id(probe) + offset, 4 + _MT_WORDS * 4)
+        if array.array("I", raw[4:]).tolist() + [struct.unpack_from("i", raw)[0]] != list(internal):
+            return None
+    return offset
 
 
 def _python_words(internal: tuple[int, ...]) -> bytes:
@@ -65,7 +101,7 @@ def _python_words(internal: tuple[int, ...]) -> bytes:
 _last_python: tuple[tuple[int, ...], bytes] | None = None
 
 _MT_WORDS = 624
-"""Words of a Mersenne-Twister key (numpy's ``RK_STATE_LEN``)."""
+"""Words of a Mersenne-Twister key (numpy's ``RK_STATE_LEN``, CPython's ``N``)."""
 _MT_STATE_BYTES = _MT_WORDS * 4 + 4
 """numpy's ``mt19937_state``: the key's uint32 words, then ``int pos``."""
 

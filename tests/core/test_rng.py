@@ -1,7 +1,10 @@
-"""RNG capture: NumPy's global generator read from memory equals its ``get_state``, bit for bit, in every state."""
+"""RNG capture: Python's and NumPy's global generators read from memory equal their ``getstate``/``get_state``,
+bit for bit, in every state."""
 
 from __future__ import annotations
 
+import array
+import random
 import struct
 
 import numpy as np
@@ -82,3 +85,52 @@ def test_an_unproven_layout_falls_back_to_get_state(monkeypatch: pytest.MonkeyPa
     fast = rng._numpy_state(generator)
     monkeypatch.setattr(rng, "_numpy_layout", lambda: None)
     assert _same(rng._numpy_state(generator), fast)
+
+
+def _by_getstate(generator: random.Random) -> tuple:
+    version, internal, gauss = generator.getstate()
+    return version, array.array("Q", internal).tobytes(), gauss
+
+
+def test_the_python_layout_is_proven_on_this_interpreter() -> None:
+    assert rng._python_layout() is not None
+
+
+@pytest.mark.parametrize(
+    "move",
+    [
+        lambda g: None,
+        lambda g: g.random(),
+        lambda g: g.gauss(0.0, 1.0),  # leaves gauss_next set
+        lambda g: g.getrandbits(32 * 700),  # past the key's 624 words: a new key
+        lambda g: g.seed(7),
+        lambda g: g.shuffle(list(range(10))),
+    ],
+    ids=["fresh", "random", "gauss", "regenerated-key", "reseeded", "shuffle"],
+)
+def test_a_capture_reads_pythons_state_exactly(move) -> None:
+    generator = random.Random(3)
+    move(generator)
+    assert rng._python_state(generator) == _by_getstate(generator)
+
+
+def test_the_python_global_generator_restores_to_the_same_draws() -> None:
+    random.seed(1)
+    random.gauss(0.0, 1.0)
+    state = rng.capture_rng()
+    expected = [random.gauss(0.0, 1.0), random.random(), random.getrandbits(40000)]
+    random.seed(99)
+    rng.restore_rng(state)
+    assert [random.gauss(0.0, 1.0), random.random(), random.getrandbits(40000)] == expected
+
+
+def test_an_unproven_python_layout_or_a_subclass_falls_back_to_getstate(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Seeded(random.Random):
+        pass
+
+    subclass = Seeded(5)
+    assert rng._python_state(subclass) == _by_getstate(subclass)
+    generator = random.Random(13)
+    fast = rng._python_state(generator)
+    monkeypatch.setattr(rng, "_python_layout", lambda: None)
+    assert rng._python_state(generator) == fast
