@@ -46,7 +46,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from . import nccl_transport, rendezvous_store
 from .config import TorchPassConfig, config_from_mapping
-from .control import Heartbeat, Keys, Mailbox, Report, StoreAddress, put, try_get, worker_id
+from .control import Heartbeat, Keys, Mailbox, Report, StoreAddress, get_if_present, put, try_get, worker_id
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error, is_device_failure
 from .job_secret import SECRET_ENV
 from .signed_store import FORGED
@@ -198,7 +198,7 @@ class Agent:
     # ---- the tick --------------------------------------------------------------------
     def refresh_config(self) -> None:
         """Adopt the job's own torchpass config once rank 0 has published it (timeouts may differ)."""
-        raw = self.store.get(Keys.config) if self.store.check([Keys.config]) else None
+        raw = get_if_present(self.store, Keys.config)
         if raw is not None:
             self.config = config_from_mapping(json.loads(raw), source="the job's torchpass config")
             self._watchdog.bound_s = self.config.store_bound_s()
@@ -213,7 +213,7 @@ class Agent:
     def tick(self) -> None:
         now = time.time()
         if now - self._last_beat >= self.config.heartbeat_interval_s / 2:
-            lost = self.store.get(Keys.node_lost(self.spec.node)) if self.store.check([Keys.node_lost(self.spec.node)]) else None
+            lost = get_if_present(self.store, Keys.node_lost(self.spec.node))
             if lost is not None:
                 self.abandon(f"the controller declared node {self.spec.node} lost ({lost.decode()}); its ranks run elsewhere", NODE_LOST_EXIT)
             self._beat_seq += 1

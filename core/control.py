@@ -61,6 +61,7 @@ __all__ = [
     "Mailbox",
     "put",
     "get",
+    "get_if_present",
     "try_get",
     "StoreAddress",
     "signed",
@@ -214,10 +215,16 @@ def present(store: dist.Store, g: int, what: str, keys: list[str]) -> bool:
     return store.add(Keys.count(g, what), 0) >= len(keys) and check_all(store, keys)
 
 
+def get_if_present(store: dist.Store, key: str) -> bytes | None:
+    """The value of ``key``, or None if it has none (on a signed store: none that opens)."""
+    if isinstance(store, SignedStore):
+        return store.get_if_present(key)
+    return store.get(key) if store.check([key]) else None
+
+
 def try_get(store: dist.Store, key: str, cls: type[T]) -> T | None:
-    if not store.check([key]):
-        return None
-    return _from_json(cls, store.get(key))
+    raw = get_if_present(store, key)
+    return None if raw is None else _from_json(cls, raw)
 
 
 def worker_id(node: int, spare: bool, index: int) -> str:

@@ -64,6 +64,7 @@ from .control import (
     WorkerRecord,
     check_all,
     gather,
+    get_if_present,
     multi_get,
     present,
     put,
@@ -623,7 +624,8 @@ class Controller:
         if check_all(self.store, keys):
             beats = dict(zip(nodes, multi_get(self.store, keys)))
         else:
-            beats = {n: self.store.get(k) for n, k in zip(nodes, keys) if self.store.check([k])}
+            found = {n: get_if_present(self.store, k) for n, k in zip(nodes, keys)}
+            beats = {n: beat for n, beat in found.items() if beat is not None}
         return {n: self._beats.age(("node", n), int(beat)) for n, beat in beats.items()}
 
     def _check_progress(self, now: float) -> None:
@@ -1151,6 +1153,5 @@ class _StoreMirrors(Mapping[int, MirrorInfo]):
 
 
 def try_get_text(store: dist.Store, key: str) -> str | None:
-    if not store.check([key]):
-        return None
-    return store.get(key).decode()
+    raw = get_if_present(store, key)
+    return None if raw is None else raw.decode()

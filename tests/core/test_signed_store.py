@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from torchpass.core.control import Keys, Mailbox, Plan, Report, get, put, signed
+from torchpass.core.control import Heartbeat, Keys, Mailbox, Plan, Report, get, put, signed, try_get
 from torchpass.core.signed_store import SignedStore, seal
 
 from tests.support.secret import SECRET
@@ -61,6 +61,42 @@ def test_a_forged_record_is_absent_to_readers_until_the_genuine_one_replaces_it(
     threading.Timer(0.3, lambda: put(_client(server), Keys.plan(3), genuine)).start()
     assert get(store, Keys.plan(3), Plan, timeout=10) == genuine  # the reader waited past the forgery
     assert store.forged >= 1
+
+
+class _Counting(dist.Store):
+    """A base store that counts the requests it forwards."""
+
+    def __init__(self, base: dist.Store):
+        super().__init__()
+        self.base, self.requests = base, 0
+
+    def check(self, keys):
+        self.requests += 1
+        return self.base.check(keys)
+
+    def get(self, key):
+        self.requests += 1
+        return self.base.get(key)
+
+    def multi_get(self, keys):
+        self.requests += 1
+        return self.base.multi_get(keys)
+
+    def set(self, key, value):
+        self.base.set(key, value)
+
+
+def test_a_try_get_reads_a_present_value_in_two_requests_and_an_absent_or_forged_one_as_none(server):
+    counting = _Counting(dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False))
+    store = SignedStore(counting, SECRET)
+    beat = Heartbeat(t=1.5, step=9, generation=0, phase="train", seq=4)
+    put(_client(server), Keys.heartbeat("n0-a0"), beat)
+    counting.requests = 0
+    assert try_get(store, Keys.heartbeat("n0-a0"), Heartbeat) == beat
+    assert counting.requests == 2  # check, get: the value's seal is checked once, on the value read
+    assert try_get(store, Keys.heartbeat("n0-a1"), Heartbeat) is None
+    dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False).set(Keys.heartbeat("n0-a2"), b'{"seq": 99}')
+    assert try_get(store, Keys.heartbeat("n0-a2"), Heartbeat) is None and store.forged == 1
 
 
 def test_compare_set_on_an_empty_key_replaces_a_forged_value(server):
