@@ -121,7 +121,12 @@ def _numpy_state(generator: np.random.RandomState) -> tuple[str, bytes, int, int
     if layout is None or type(bits) is not np.random.MT19937:
         kind, key, pos, has_gauss, cached = generator.get_state()
         return kind, key.tobytes(), pos, has_gauss, cached
-    raw = ctypes.string_at(bits.ctypes.state_address, _MT_STATE_BYTES)
+    return _numpy_read(generator, layout)
+
+
+def _numpy_read(generator: np.random.RandomState, layout: _AugmentedLayout) -> tuple[str, bytes, int, int, float]:
+    """The legacy state tuple, read from the bit generator's C state and the object's cached Gaussian."""
+    raw = ctypes.string_at(generator._bit_generator.ctypes.state_address, _MT_STATE_BYTES)
     aug = ctypes.string_at(id(generator), layout.gauss + 8)
     (pos,) = struct.unpack_from("i", raw, _MT_WORDS * 4)
     (has_gauss,) = struct.unpack_from("i", aug, layout.has_gauss)
@@ -160,10 +165,7 @@ def _numpy_layout() -> _AugmentedLayout | None:
         draw()
         kind, key, pos, has_gauss, cached = probe.get_state()
         expected = (kind, key.tobytes(), pos, has_gauss, cached)
-        raw = ctypes.string_at(probe._bit_generator.ctypes.state_address, _MT_STATE_BYTES)
-        aug = ctypes.string_at(id(probe), layout.gauss + 8)
-        read = ("MT19937", raw[: _MT_WORDS * 4], struct.unpack_from("i", raw, _MT_WORDS * 4)[0],
-                struct.unpack_from("i", aug, layout.has_gauss)[0], struct.unpack_from("d", aug, layout.gauss)[0])  # fmt: skip
+        read = _numpy_read(probe, layout)
         if read != expected or struct.pack("d", read[4]) != struct.pack("d", expected[4]):
             return None
     return layout
