@@ -222,17 +222,20 @@ class _Transport:
 
 
 class _Graveyard:
-    """Released transports kept until gloo has nothing of theirs in flight, then let go.
+    """Released transports kept until gloo has nothing of theirs in flight, then let go on its own thread.
 
     Dropping a transport's last reference destroys its gloo group, closing its
     sockets and ending its threads, but gloo's destructor waits for operations
     still running. An operation whose message was in transfer when its sockets
     were shut down is never signalled by gloo (the pair signals queued operations,
     not the one being read or written) and ends only at gloo's own timeout, the
-    group's ``timeout``: its transport stays here until then. So the graveyard is
-    swept on every burial *and* by a thread that runs while it holds anything;
-    otherwise a transport that went quiet after the last migration would stay for
-    the rest of the job.
+    group's ``timeout``. So no caller's thread ever drops a transport's last
+    reference: a burial only hands the transport over, and the sweeper thread,
+    which runs while the graveyard holds anything, lets go of the quiet ones
+    without holding the lock. A destructor that still blocks (an operation the
+    transport did not track, a C++ caller's) then holds up only the sweeper, never
+    the training thread in the middle of a recovery, where a rank that does not
+    report within the report timeout is fenced.
     """
 
     SWEEP_INTERVAL_S = 1.0
@@ -245,10 +248,8 @@ class _Graveyard:
 
     def bury(self, transport: _Transport) -> None:
         with self._lock:
-            self._buried = [t for t in self._buried if not t.pending.quiet()]
-            if not transport.pending.quiet():
-                self._buried.append(transport)
-            if self._buried and (self._sweeper is None or not self._sweeper.is_alive()):
+            self._buried.append(transport)
+            if self._sweeper is None or not self._sweeper.is_alive():
                 self._sweeper = threading.Thread(target=self._sweep, name="torchpass-graveyard", daemon=True)
                 self._sweeper.start()
 
@@ -256,11 +257,15 @@ class _Graveyard:
         while True:
             time.sleep(self.SWEEP_INTERVAL_S)
             with self._lock:
-                # A quiet transport's gloo group is destroyed here, outside the training thread.
-                self._buried = [t for t in self._buried if not t.pending.quiet()]
-                if not self._buried:
+                quiet = [t for t in self._buried if t.pending.quiet()]
+                self._buried = [t for t in self._buried if all(t is not q for q in quiet)]
+                empty = not self._buried
+                if empty:
                     self._sweeper = None
-                    return
+            # The last references: the quiet transports' gloo groups are destroyed here, outside the lock.
+            del quiet
+            if empty:
+                return
 
 
 _graveyard = _Graveyard()

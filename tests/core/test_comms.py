@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from datetime import timedelta
 
@@ -209,10 +210,26 @@ class _Pending:
 
 
 class _Released:
-    """A released transport as the graveyard sees it: gone once gloo has nothing of it in flight."""
+    """A released transport as the graveyard sees it: gone once gloo has nothing of it in flight.
 
-    def __init__(self) -> None:
+    Its destruction stands for gloo's destructor: it records the thread that ran it, and it blocks
+    while ``destroy_blocks`` is set, as gloo's does on an operation it still runs."""
+
+    def __init__(self, destroyed_on: list[str], destroy_blocks: threading.Event | None = None) -> None:
         self.pending = _Pending()
+        self._destroyed_on = destroyed_on
+        self._blocks = destroy_blocks
+
+    def __del__(self) -> None:
+        if self._blocks is not None:
+            self._blocks.wait(5)
+        self._destroyed_on.append(threading.current_thread().name)
+
+
+def _wait_for(condition, timeout: float = 5.0) -> None:
+    deadline = time.time() + timeout
+    while not condition() and time.time() < deadline:
+        time.sleep(0.02)
 
 
 def test_the_graveyard_lets_a_transport_go_once_gloo_ends_its_last_operation_without_another_burial(monkeypatch):
@@ -220,23 +237,49 @@ def test_the_graveyard_lets_a_transport_go_once_gloo_ends_its_last_operation_wit
 
     monkeypatch.setattr(comms._Graveyard, "SWEEP_INTERVAL_S", 0.02)
     graveyard = comms._Graveyard()
-    caught = _Released()  # an operation caught mid-message: it ends at gloo's timeout, long after the release
-    quiet = _Released()
+    destroyed_on: list[str] = []
+    caught = _Released(destroyed_on)  # an operation caught mid-message: it ends at gloo's timeout, long after the release
+    quiet = _Released(destroyed_on)
     quiet.pending.in_flight = False
     refs = [weakref.ref(caught), weakref.ref(quiet)]
     graveyard.bury(caught)  # type: ignore[arg-type]
     graveyard.bury(quiet)  # type: ignore[arg-type]
     pending = caught.pending
     del caught, quiet
-    assert refs[1]() is None  # nothing in flight: never kept
+    _wait_for(lambda: refs[1]() is None)
+    assert refs[1]() is None  # nothing in flight: let go at the next sweep
     time.sleep(0.2)
     assert refs[0]() is not None  # destroying it now would block on gloo's running operation
     pending.in_flight = False  # gloo's timeout ends it; no migration follows
-    deadline = time.time() + 5
-    while (refs[0]() is not None or graveyard._sweeper is not None) and time.time() < deadline:
-        time.sleep(0.02)
+    _wait_for(lambda: refs[0]() is None and graveyard._sweeper is None)
     assert refs[0]() is None
     assert graveyard._sweeper is None  # the sweeper runs only while the graveyard holds something
+    assert destroyed_on == ["torchpass-graveyard"] * 2
+
+
+def test_a_burial_never_destroys_a_transport_on_the_callers_thread_nor_waits_for_one_being_destroyed(monkeypatch):
+    """A recovering rank buries its last generation's transport; gloo's destructor may block on an operation the
+    transport did not track. Neither that burial nor the next may wait for it: a rank that does not report in
+    time is fenced."""
+    monkeypatch.setattr(comms._Graveyard, "SWEEP_INTERVAL_S", 0.02)
+    graveyard = comms._Graveyard()
+    destroyed_on: list[str] = []
+    unblock = threading.Event()
+    blocking = _Released(destroyed_on, unblock)
+    blocking.pending.in_flight = False  # quiet as far as the transport knows
+    graveyard.bury(blocking)  # type: ignore[arg-type]
+    del blocking
+    assert destroyed_on == []  # the caller's reference was not the last one
+    time.sleep(0.2)  # the sweeper is now inside the blocking destructor
+    started = time.monotonic()
+    later = _Released(destroyed_on)
+    later.pending.in_flight = False
+    graveyard.bury(later)  # type: ignore[arg-type]
+    del later
+    assert time.monotonic() - started < 0.1 and destroyed_on == []
+    unblock.set()
+    _wait_for(lambda: len(destroyed_on) == 2)
+    assert destroyed_on == ["torchpass-graveyard"] * 2
 
 
 def test_groups_created_under_the_local_default_start_local():
