@@ -50,7 +50,7 @@ from .control import Heartbeat, Keys, Mailbox, Report, StoreAddress, get_if_pres
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error, is_device_failure
 from .job_secret import SECRET_ENV
 from .signed_store import FORGED
-from .liveness import STORE_LOST_EXIT, BeatWatch, StoreWatchdog
+from .liveness import STORE_LOST_EXIT, BeatWatch, StoreWatchdog, cpu_ticks
 
 __all__ = ["Agent", "NodeSpec"]
 
@@ -113,6 +113,8 @@ class Agent:
         """Orders in this node's mail that did not open under the job secret (logged once)."""
         self._last_heartbeat_scan = 0.0
         self._beats = BeatWatch()
+        self._cpu = BeatWatch()
+        """Each local worker's CPU time as a beat: a silent heartbeat is a hang only when this stood still too."""
         store_at = StoreAddress(spec.store_host, spec.store_port, secret, etcd=spec.store_etcd)
         self._watchdog = StoreWatchdog(
             config.store_bound_s(),
@@ -247,9 +249,12 @@ class Agent:
                 self.fence(w.wid, f"never heartbeated within {self.config.spare_join_timeout_s:.0f} s of starting")
             return
         age = self._beats.age(w.wid, hb.seq)
-        if age > self.config.heartbeat_timeout_s and hb.phase != "done":
+        ticks = cpu_ticks(w.handler.proc.pid)
+        # Read on every scan, so that the CPU's silence is dated as precisely as the heartbeat's.
+        idle = age if ticks is None else self._cpu.age(w.wid, ticks)
+        if min(age, idle) > self.config.heartbeat_timeout_s and hb.phase != "done":
             w.last_heartbeat = hb.t
-            self.fence(w.wid, f"stopped heartbeating {age:.1f} s ago (hung)")
+            self.fence(w.wid, f"stopped heartbeating {age:.1f} s ago and used no CPU for {idle:.1f} s (hung)")
 
     def fence(self, wid: str, why: str) -> None:
         """Kill a worker that must never act again (hung, or replaced while unreachable)."""

@@ -258,8 +258,9 @@ class TorchPassConfig:
     staleness of ``torchpass status``; costs one store write per interval per worker."""
 
     heartbeat_timeout_s: float = field(default=10.0, metadata={"check": (_positive, "a number > 0")})
-    """A worker whose heartbeat is older than this is declared hung (e.g. SIGSTOP, a wedged
-    host) and is fenced and replaced. This, not the process-group timeout, bounds hang
+    """A worker whose heartbeat is older than this, and whose CPU time has stood still as long
+    (its agent reads it from /proc), is declared hung (e.g. SIGSTOP, a wedged host) and is
+    fenced and replaced. This, not the process-group timeout, bounds hang
     recovery. Must exceed ``heartbeat_interval_s``; 10 s tolerates scheduler hiccups."""
 
     hang_timeout_s: float = field(default=900.0, metadata={"check": (_positive, "a number > 0")})

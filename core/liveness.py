@@ -20,6 +20,15 @@ Three rules hold for every process of a job:
   a fixed rate (a heartbeat) marks the store alive, and a silence past the
   bound ends the process with :data:`STORE_LOST_EXIT` and a message (an
   agent first kills its workers).
+* **A silent heartbeat alone does not make a local worker hung.** A worker's
+  heartbeat thread needs the GIL, and an import that loads a large extension
+  holds it through the load: on a loaded machine (5 processes importing
+  DeepSpeed on 2 cores) a healthy worker once went 3.1 s without a beat and was
+  fenced before its first step. Its agent also reads the worker's CPU time
+  (:func:`cpu_ticks`, another beat): a worker is hung only when both have stood
+  still past the timeout. A stopped process (SIGSTOP) or one blocked with the
+  GIL held uses no CPU and is caught as fast as before; one that spins without
+  beating is left to the hang timeout on step progress.
 * **A worker never outlives its agent** (see ``core/worker.py``: the parent-death
   signal), so a killed agent leaves no orphan behind.
 """
@@ -32,13 +41,14 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Hashable
 
 import torch.distributed as dist
 
 from .control import Heartbeat, Keys, StoreAddress, put
 
-__all__ = ["STORE_LOST_EXIT", "BeatWatch", "StoreWatchdog", "Heartbeater", "die_with_parent"]
+__all__ = ["STORE_LOST_EXIT", "BeatWatch", "cpu_ticks", "StoreWatchdog", "Heartbeater", "die_with_parent"]
 
 STORE_LOST_EXIT = 75
 """Exit code of a worker or launcher that lost the store (EX_TEMPFAIL: node 0 went away, not this process's fault)."""
@@ -67,6 +77,18 @@ class BeatWatch:
 
     def forget(self, who: Hashable) -> None:
         self._seen.pop(who, None)
+
+
+def cpu_ticks(pid: int) -> int | None:
+    """User plus system CPU time a local process has used, in clock ticks; None where /proc cannot tell
+    (the process is gone, or the platform has no /proc), and the caller judges by heartbeats alone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses; the fields after its last ')' start at 3.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])
 
 
 class StoreWatchdog(threading.Thread):

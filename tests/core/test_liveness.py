@@ -13,7 +13,7 @@ import time
 import pytest
 
 from torchpass.core.control import Heartbeat, Keys, try_get
-from torchpass.core.liveness import BeatWatch, Heartbeater, StoreWatchdog
+from torchpass.core.liveness import BeatWatch, Heartbeater, StoreWatchdog, cpu_ticks
 
 from tests.support.clock import ManualClock
 from tests.support.harness import free_port
@@ -130,3 +130,22 @@ def test_a_worker_dies_with_its_launcher(tmp_path) -> None:
         # A zombie reparented to init is reaped shortly; a live orphan would stay.
         assert time.monotonic() < deadline, f"worker {pid} outlived its launcher"
         time.sleep(0.05)
+
+
+def test_cpu_ticks_grow_while_a_process_runs_and_stand_still_while_it_is_stopped():
+    """The agent's second beat: a stopped worker's CPU time stands still, a busy one's grows."""
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        first = cpu_ticks(busy.pid)
+        time.sleep(0.5)
+        running = cpu_ticks(busy.pid)
+        assert first is not None and running is not None and running > first
+        busy.send_signal(signal.SIGSTOP)
+        time.sleep(0.1)
+        stopped = cpu_ticks(busy.pid)
+        time.sleep(0.5)
+        assert cpu_ticks(busy.pid) == stopped
+    finally:
+        busy.kill()
+        busy.wait()
+    assert cpu_ticks(busy.pid) is None  # reaped: gone from /proc
