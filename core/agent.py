@@ -50,7 +50,7 @@ from .control import Heartbeat, Keys, Mailbox, Report, StoreAddress, get_if_pres
 from .failures import FENCE_DUMP_SIGNAL, is_comm_error, is_device_failure
 from .job_secret import SECRET_ENV
 from .signed_store import FORGED
-from .liveness import STORE_LOST_EXIT, BeatWatch, StoreWatchdog, cpu_ticks
+from .liveness import STORE_LOST_EXIT, HangWatch, StoreWatchdog
 
 __all__ = ["Agent", "NodeSpec"]
 
@@ -112,9 +112,7 @@ class Agent:
         self.forged_orders = 0
         """Orders in this node's mail that did not open under the job secret (logged once)."""
         self._last_heartbeat_scan = 0.0
-        self._beats = BeatWatch()
-        self._cpu = BeatWatch()
-        """Each local worker's CPU time as a beat: a silent heartbeat is a hang only when this stood still too."""
+        self._hangs = HangWatch()
         store_at = StoreAddress(spec.store_host, spec.store_port, secret, etcd=spec.store_etcd)
         self._watchdog = StoreWatchdog(
             config.store_bound_s(),
@@ -248,13 +246,10 @@ class Agent:
             if now - w.started > self.config.spare_join_timeout_s:
                 self.fence(w.wid, f"never heartbeated within {self.config.spare_join_timeout_s:.0f} s of starting")
             return
-        age = self._beats.age(w.wid, hb.seq)
-        ticks = cpu_ticks(w.handler.proc.pid)
-        # Read on every scan, so that the CPU's silence is dated as precisely as the heartbeat's.
-        idle = age if ticks is None else self._cpu.age(w.wid, ticks)
-        if min(age, idle) > self.config.heartbeat_timeout_s and hb.phase != "done":
+        why = self._hangs.hung(w.wid, w.handler.proc.pid, hb.seq, self.config.heartbeat_timeout_s)
+        if why is not None and hb.phase != "done":
             w.last_heartbeat = hb.t
-            self.fence(w.wid, f"stopped heartbeating {age:.1f} s ago and used no CPU for {idle:.1f} s (hung)")
+            self.fence(w.wid, why)
 
     def fence(self, wid: str, why: str) -> None:
         """Kill a worker that must never act again (hung, or replaced while unreachable)."""

@@ -257,13 +257,15 @@ class _Graveyard:
         while True:
             time.sleep(self.SWEEP_INTERVAL_S)
             with self._lock:
-                quiet = [t for t in self._buried if t.pending.quiet()]
-                self._buried = [t for t in self._buried if all(t is not q for q in quiet)]
+                # Comprehensions, not a loop: a loop variable would keep the last transport alive past the del.
+                judged = [(t, t.pending.quiet()) for t in self._buried]
+                quiet = [t for t, done in judged if done]
+                self._buried = [t for t, done in judged if not done]
                 empty = not self._buried
                 if empty:
                     self._sweeper = None
             # The last references: the quiet transports' gloo groups are destroyed here, outside the lock.
-            del quiet
+            del judged, quiet
             if empty:
                 return
 

@@ -25,7 +25,7 @@ Three rules hold for every process of a job:
   holds it through the load: on a loaded machine (5 processes importing
   DeepSpeed on 2 cores) a healthy worker once went 3.1 s without a beat and was
   fenced before its first step. Its agent also reads the worker's CPU time
-  (:func:`cpu_ticks`, another beat): a worker is hung only when both have stood
+  (:func:`cpu_ticks`, another beat; :class:`HangWatch`): a worker is hung only when both have stood
   still past the timeout. A stopped process (SIGSTOP) or one blocked with the
   GIL held uses no CPU and is caught as fast as before; one that spins without
   beating is left to the hang timeout on step progress.
@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from .control import Heartbeat, Keys, StoreAddress, put
 
-__all__ = ["STORE_LOST_EXIT", "BeatWatch", "cpu_ticks", "StoreWatchdog", "Heartbeater", "die_with_parent"]
+__all__ = ["STORE_LOST_EXIT", "BeatWatch", "HangWatch", "cpu_ticks", "StoreWatchdog", "Heartbeater", "die_with_parent"]
 
 STORE_LOST_EXIT = 75
 """Exit code of a worker or launcher that lost the store (EX_TEMPFAIL: node 0 went away, not this process's fault)."""
@@ -89,6 +89,27 @@ def cpu_ticks(pid: int) -> int | None:
     # The command name (field 2) may hold spaces and parentheses; the fields after its last ')' start at 3.
     fields = stat[stat.rindex(")") + 2 :].split()
     return int(fields[11]) + int(fields[12])
+
+
+class HangWatch:
+    """Whether a local worker is hung: its heartbeat and its CPU time both stood still past the timeout.
+
+    Both are read on every scan, so that the CPU's silence is dated as precisely as the heartbeat's.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, ticks: Callable[[int], int | None] = cpu_ticks):
+        self._beats = BeatWatch(clock)
+        self._cpu = BeatWatch(clock)
+        self._ticks = ticks
+
+    def hung(self, who: Hashable, pid: int, seq: int, timeout_s: float) -> str | None:
+        """Why ``who`` (process ``pid``, last heartbeat ``seq``) is hung, or None while either still moves."""
+        age = self._beats.age(who, seq)
+        ticks = self._ticks(pid)
+        idle = age if ticks is None else self._cpu.age(who, ticks)
+        if min(age, idle) <= timeout_s:
+            return None
+        return f"stopped heartbeating {age:.1f} s ago and used no CPU for {idle:.1f} s (hung)"
 
 
 class StoreWatchdog(threading.Thread):

@@ -149,3 +149,27 @@ def test_cpu_ticks_grow_while_a_process_runs_and_stand_still_while_it_is_stopped
         busy.kill()
         busy.wait()
     assert cpu_ticks(busy.pid) is None  # reaped: gone from /proc
+
+
+def test_a_worker_is_hung_only_when_its_heartbeat_and_its_cpu_time_both_stood_still_past_the_timeout():
+    from torchpass.core.liveness import HangWatch
+
+    clock = ManualClock()
+    ticks: dict[int, int | None] = {1: 100, 2: 100, 3: None}
+    watch = HangWatch(clock, lambda pid: ticks[pid])
+    for pid in ticks:
+        assert watch.hung(pid, pid, 1, 3.0) is None
+    for _ in range(8):  # 4 s without a heartbeat; pid 1 keeps using CPU (starved of the GIL), pid 2 is stopped
+        clock.now += 0.5
+        ticks[1] += 10
+        busy, stopped, unknown = (watch.hung(pid, pid, 1, 3.0) for pid in (1, 2, 3))
+    assert busy is None
+    assert stopped == "stopped heartbeating 4.0 s ago and used no CPU for 4.0 s (hung)"
+    assert unknown == "stopped heartbeating 4.0 s ago and used no CPU for 4.0 s (hung)"  # no /proc: the heartbeat alone
+    # pid 1 now stops too: hung once its CPU has stood still past the timeout
+    for _ in range(6):
+        clock.now += 0.5
+        assert watch.hung(1, 1, 1, 3.0) is None
+    clock.now += 0.5
+    assert watch.hung(1, 1, 1, 3.0) == "stopped heartbeating 7.5 s ago and used no CPU for 3.5 s (hung)"
+    assert watch.hung(2, 2, 2, 3.0) is None  # a new heartbeat
